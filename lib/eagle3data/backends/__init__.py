@@ -1,0 +1,1 @@
+"""Backends that turn templated prompts into records: local (in-process HF), sglang, openai."""

@@ -1,0 +1,147 @@
+"""Command line: `python -m eagle3data run|audit|export|prepare-model`.
+
+`run` executes the stage notebooks headlessly with papermill into `outputs/<run>/notebooks/`
+(each also saved as HTML), then renders `outputs/<run>/report.html`. It is what `make run`
+calls; a notebook opened in JupyterLab runs the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden"]
+STAGE_ALIASES = {s.split("_", 1)[0]: s for s in STAGES} | {s.split("_", 1)[1]: s for s in STAGES} | {
+    "hidden": "04_extract_hidden", "extract": "04_extract_hidden"}
+
+
+def resolve_stage(name: str) -> str:
+    """`01`, `generate`, `01_generate` -> `01_generate`."""
+    if name in STAGES:
+        return name
+    if name in STAGE_ALIASES:
+        return STAGE_ALIASES[name]
+    raise SystemExit(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+
+
+def execute_notebook(stage: str, params_file: Path, overrides: dict[str, str], out_dir: Path) -> Path:
+    """Run one stage notebook through papermill; save the executed copy and its HTML."""
+    import papermill as pm
+
+    from .params import repo_root
+    from .report import notebook_to_html
+
+    src = repo_root() / "notebooks" / f"{stage}.ipynb"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dst = out_dir / f"{stage}.ipynb"
+    try:
+        pm.execute_notebook(
+            str(src), str(dst),
+            parameters={"params_file": str(params_file), "overrides": overrides},
+            kernel_name="python3", cwd=str(repo_root()), progress_bar=False, log_output=False,
+        )
+    finally:
+        if dst.exists():
+            notebook_to_html(dst, dst.with_suffix(".html"))
+    return dst
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .params import ParamsError, load_params
+
+    overrides = dict(args.p or [])
+    params_file = Path(args.params).resolve()
+    try:
+        params = load_params(params_file, overrides)
+    except ParamsError as e:
+        print(e, file=sys.stderr)
+        return 2
+    stages = [resolve_stage(s) for s in args.only] if args.only else list(STAGES)
+    if not params.hidden.enabled and "04_extract_hidden" in stages and not args.only:
+        stages.remove("04_extract_hidden")
+    run_dir = params.run_dir
+    nb_dir = run_dir / "notebooks"
+    print(f"run {params.run_name!r} -> {run_dir}")
+    for stage in stages:
+        t0 = time.perf_counter()
+        print(f"  {stage} ...", end="", flush=True)
+        try:
+            execute_notebook(stage, params_file, overrides, nb_dir)
+        except Exception as e:  # papermill raises PapermillExecutionError with the cell's traceback
+            print(" FAILED")
+            print(f"{stage} failed; executed notebook: {nb_dir / (stage + '.ipynb')}\n{e}", file=sys.stderr)
+            return 1
+        print(f" done in {time.perf_counter() - t0:.0f} s -> {nb_dir / (stage + '.html')}")
+    if "03_audit" in stages:
+        from .report import render_report
+
+        report = render_report(run_dir)
+        print(f"report: {report}")
+    print(f"outputs: {run_dir}")
+    return 0
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from .models import prepare_embedded
+
+    print(prepare_embedded(args.name, force=args.force))
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from .audit import audit_cli
+
+    return audit_cli(args.records, profile=args.profile, out=args.out, tokenizer=args.tokenizer)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_cli
+
+    return export_cli(args.run, fmt=args.format, out=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="eagle3data", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="run the stage notebooks headlessly (papermill) for a params file")
+    r.add_argument("params", help="params YAML, e.g. params/embedded.yaml")
+    r.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                   help="override a param by dotted key, e.g. -p generate.sampling.max_new_tokens 64")
+    r.add_argument("--only", action="append", metavar="STAGE",
+                   help="run only this stage (01/generate, 02, 03, 04); repeatable")
+    r.set_defaults(func=cmd_run)
+
+    a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")
+    a.add_argument("records", help="records JSONL (or .parquet)")
+    a.add_argument("--profile", required=True, help="smollm2, qwen3, kimi-k2.5")
+    a.add_argument("--out", required=True, help="output folder")
+    a.add_argument("--tokenizer", help="tokenizer folder (enables text checks)")
+    a.set_defaults(func=cmd_audit)
+
+    e = sub.add_parser("export", help="export a run for a drafter trainer")
+    e.add_argument("run", help="run folder, e.g. outputs/embedded")
+    e.add_argument("--format", required=True, choices=["specforge", "speculators"])
+    e.add_argument("--out", required=True, help="output folder")
+    e.set_defaults(func=cmd_export)
+
+    m = sub.add_parser("prepare-model", help="convert the embedded GGUF model into the safetensors cache")
+    m.add_argument("name", nargs="?", default="smollm2")
+    m.add_argument("--force", action="store_true")
+    m.set_defaults(func=cmd_prepare_model)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

