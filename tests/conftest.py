@@ -1,0 +1,36 @@
+"""Shared fixtures: the embedded tokenizer, and one small generated run reused by tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from eagle3data.models import load_tokenizer
+    from eagle3data.profiles import SMOLLM2
+
+    return load_tokenizer("embedded:smollm2", profile=SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def ci_run(tmp_path_factory):
+    """Params of a generated `params/ci.yaml` run (2 datasets x 2 prompts) in a temp folder.
+
+    Stage 01 has run; later stages are for each test to run on it (copy the folder first if
+    a test changes files).
+    """
+    from eagle3data.generate import run_generate
+    from eagle3data.params import load_params
+
+    root = tmp_path_factory.mktemp("runs")
+    params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root)})
+    run_generate(params, progress=False)
+    return params
