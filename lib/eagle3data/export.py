@@ -1,0 +1,469 @@
+"""Exports for drafter trainers: SpecForge and vllm speculators, plus the EAGLE-3 draft vocabulary.
+
+A run's samples go out in two forms: text conversations (`id`, `conversations` with `role`,
+`content`, `reasoning_content`) for trainers that re-template, and token-level records
+(`input_ids`, `loss_mask`, per-sample metadata) that keep this project's exact ids.
+
+Sources of ids: exact records (`records/*.jsonl`, output_ids present) give
+`input_ids = prompt_ids + output_ids`, `loss_mask` 0 on the prompt and 1 on every output token
+(end-of-turn included); API records take the rebuilt ids of `reconstruct/<dataset>.jsonl`, and
+are skipped (and counted) when stage 02 has not rebuilt them. When `audit/verdicts.jsonl`
+exists only records that passed every check go out (unless `include_failed`). Every skip is
+counted by reason in `manifest.json`.
+
+The draft vocabulary is the `draft_vocab_size` most frequent target ids among output tokens
+(loss_mask 1), ties broken by the smaller id; when fewer distinct ids exist it is filled with
+the smallest unused target ids. The selected ids are sorted ascending and stored as
+`d2t[draft_id] = target_id - draft_id` (int64, so `target_id = draft_id + d2t[draft_id]`) and
+`t2d[target_id] = True` for selected ids (bool) — the EAGLE-3 / SpecForge / speculators form.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+import orjson
+
+from .records import read_records, record_key
+
+Format = Literal["specforge", "speculators"]
+FORMATS: tuple[str, ...] = ("specforge", "speculators")
+META_FIELDS = ("dataset", "sample_id", "source", "ids_exact", "finish_reason")
+
+
+class ExportError(ValueError):
+    """Input to an export is unusable; the message names the file, line and field."""
+
+
+@dataclass
+class Sample:
+    """One exportable sample: token ids, loss mask, the record it came from."""
+
+    dataset: str
+    sample_id: int | str
+    source: str
+    ids_exact: bool
+    finish_reason: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    record: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return f"{self.dataset}:{self.sample_id}"
+
+    def token_record(self) -> dict[str, Any]:
+        """The token-level line: id, metadata, input_ids, loss_mask."""
+        return {"id": self.id, **{k: getattr(self, k) for k in META_FIELDS},
+                "input_ids": self.input_ids, "loss_mask": self.loss_mask}
+
+
+@dataclass
+class Selection:
+    """What a run offers for export: the samples kept, and each skipped one with its reason."""
+
+    samples: list[Sample] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    verdicts_present: bool = False
+    include_failed: bool = False
+
+    def skipped_counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(s["reason"] for s in self.skipped).items()))
+
+    def table(self):
+        """Per dataset: exported samples, exact vs rebuilt ids, output tokens, skipped by reason."""
+        import pandas as pd
+
+        rows: dict[str, dict[str, int]] = {}
+        for s in self.samples:
+            r = rows.setdefault(s.dataset, Counter())
+            r["exported"] += 1
+            r["ids_exact"] += int(s.ids_exact)
+            r["ids_rebuilt"] += int(not s.ids_exact)
+            r["output_tokens"] += int(sum(s.loss_mask))
+        for s in self.skipped:
+            rows.setdefault(s["dataset"], Counter())[f"skipped_{s['reason']}"] += 1
+        df = pd.DataFrame.from_dict(rows, orient="index").fillna(0).astype(int).sort_index()
+        df.index.name = "dataset"
+        return df
+
+
+@dataclass
+class DraftVocab:
+    """EAGLE-3 draft vocabulary: d2t offsets, t2d membership, and how much output it covers."""
+
+    d2t: np.ndarray  # int64 [draft_vocab]
+    t2d: np.ndarray  # bool [target_vocab]
+    coverage: float
+    output_tokens: int
+    distinct_output_tokens: int
+    filled: int  # ids added (never seen in outputs) to reach the size
+
+    @property
+    def draft_ids(self) -> np.ndarray:
+        """Target id of each draft id, ascending."""
+        return np.arange(len(self.d2t), dtype=np.int64) + self.d2t
+
+    def summary(self) -> dict[str, Any]:
+        return {"draft_vocab_size": int(len(self.d2t)), "target_vocab_size": int(len(self.t2d)),
+                "coverage": self.coverage, "output_tokens": self.output_tokens,
+                "distinct_output_tokens": self.distinct_output_tokens, "filled": self.filled}
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def _read_jsonl(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
+    for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise ExportError(f"{path}:{lineno}: not JSON ({e})") from None
+
+
+def _need(obj: dict[str, Any], keys: Iterable[str], where: str) -> None:
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise ExportError(f"{where}: missing field(s) {', '.join(missing)}")
+
+
+def load_verdicts(run_dir: str | Path) -> dict[tuple[str, str], list[str]] | None:
+    """Failed checks per (dataset, sample_id) from `audit/verdicts.jsonl`; None when absent."""
+    path = Path(run_dir) / "audit" / "verdicts.jsonl"
+    if not path.exists():
+        return None
+    out: dict[tuple[str, str], list[str]] = {}
+    for lineno, v in _read_jsonl(path):
+        _need(v, ("dataset", "sample_id", "failed"), f"{path}:{lineno}")
+        out[record_key(v)] = list(v["failed"] or [])
+    return out
+
+
+def load_reconstructed(run_dir: str | Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """Rebuilt `input_ids`/`loss_mask` per (dataset, sample_id) from `reconstruct/*.jsonl`."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    folder = Path(run_dir) / "reconstruct"
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        for lineno, r in _read_jsonl(path):
+            where = f"{path}:{lineno}"
+            _need(r, ("dataset", "sample_id", "input_ids", "loss_mask"), where)
+            if len(r["input_ids"]) != len(r["loss_mask"]):
+                raise ExportError(f"{where}: field `loss_mask` has {len(r['loss_mask'])} entries "
+                                  f"for {len(r['input_ids'])} input_ids")
+            out[record_key(r)] = r
+    return out
+
+
+def _latest_records(run_dir: Path) -> list[dict[str, Any]]:
+    """One record per (dataset, sample_id): the last one journaled (a retry replaces an error)."""
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted((run_dir / "records").glob("*.jsonl")):
+        for rec in read_records(path):
+            latest[record_key(rec)] = rec
+    return list(latest.values())
+
+
+def select_samples(run_dir: str | Path, *, include_failed: bool = False) -> Selection:
+    """Samples of a run ready for export, and every skipped record with its reason.
+
+    Reasons: `error` (no response), `abort` (cut short by a stop), `no_ids` (API record not
+    rebuilt by stage 02), `no_verdict` (audit ran but has no verdict for it), `failed_audit`.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "records").is_dir():
+        raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
+    verdicts = load_verdicts(run_dir)
+    rebuilt = load_reconstructed(run_dir)
+    sel = Selection(verdicts_present=verdicts is not None, include_failed=include_failed)
+    for rec in _latest_records(run_dir):
+        key = record_key(rec)
+        base = {"dataset": rec["dataset"], "sample_id": rec["sample_id"]}
+        fr = rec["finish_reason"]
+        if fr in ("error", "abort"):
+            sel.skipped.append({**base, "reason": fr})
+            continue
+        if verdicts is not None:
+            failed = verdicts.get(key)
+            if failed is None:
+                sel.skipped.append({**base, "reason": "no_verdict"})
+                continue
+            if failed and not include_failed:
+                sel.skipped.append({**base, "reason": "failed_audit", "failed": failed})
+                continue
+        if rec.get("output_ids") is not None and rec.get("prompt_ids") is not None:
+            ids = list(rec["prompt_ids"]) + list(rec["output_ids"])
+            mask = [0] * len(rec["prompt_ids"]) + [1] * len(rec["output_ids"])
+            exact = bool(rec.get("ids_exact", False))
+        elif key in rebuilt:
+            r = rebuilt[key]
+            ids, mask, exact = list(r["input_ids"]), [int(m) for m in r["loss_mask"]], bool(r.get("ids_exact", False))
+        else:
+            sel.skipped.append({**base, "reason": "no_ids"})
+            continue
+        sel.samples.append(Sample(dataset=rec["dataset"], sample_id=rec["sample_id"],
+                                  source=rec.get("source", "?"), ids_exact=exact, finish_reason=fr,
+                                  input_ids=ids, loss_mask=mask, record=rec))
+    return sel
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def conversation(rec: dict[str, Any]) -> dict[str, Any]:
+    """SpecForge-style conversation: the prompt messages, then the response as an assistant turn.
+
+    Every assistant turn carries `reasoning_content` (empty string when there was none); tool
+    calls go on the response turn as `tool_calls`, tool definitions as top-level `tools`.
+    """
+    turns: list[dict[str, Any]] = []
+    for m in rec.get("messages") or []:
+        t = {"role": m.get("role"), "content": m.get("content") if m.get("content") is not None else ""}
+        if t["role"] == "assistant":
+            t["reasoning_content"] = m.get("reasoning_content", m.get("reasoning")) or ""
+        for k in ("tool_calls", "tool_call_id", "name"):
+            if m.get(k) is not None:
+                t[k] = m[k]
+        turns.append(t)
+    reply: dict[str, Any] = {"role": "assistant", "content": rec.get("content") or "",
+                             "reasoning_content": rec.get("reasoning") or ""}
+    if rec.get("tool_calls"):
+        reply["tool_calls"] = rec["tool_calls"]
+    turns.append(reply)
+    out: dict[str, Any] = {"id": f"{rec['dataset']}:{rec['sample_id']}", "conversations": turns}
+    if rec.get("tools"):
+        out["tools"] = rec["tools"]
+    return out
+
+
+# ---------------------------------------------------------------- draft vocabulary
+
+
+def output_token_counts(samples: Iterable[Sample], target_vocab_size: int) -> np.ndarray:
+    """How often each target id occurs among output tokens (loss_mask 1), as int64 [target_vocab]."""
+    counts = np.zeros(target_vocab_size, dtype=np.int64)
+    for s in samples:
+        ids = np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)]
+        if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
+            bad = int(ids[(ids < 0) | (ids >= target_vocab_size)][0])
+            raise ExportError(f"sample {s.id}: token id {bad} outside the target vocabulary "
+                              f"(size {target_vocab_size})")
+        counts += np.bincount(ids, minlength=target_vocab_size)
+    return counts
+
+
+def build_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
+    """d2t/t2d from output-token counts: the most frequent ids, filled with the smallest unused ids."""
+    counts = np.asarray(counts, dtype=np.int64)
+    target_vocab_size = len(counts)
+    if draft_vocab_size > target_vocab_size:
+        raise ExportError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary "
+                          f"({target_vocab_size} ids)")
+    seen = np.flatnonzero(counts)
+    # most frequent first, ties by smaller id (lexsort: last key is primary)
+    ranked = seen[np.lexsort((seen, -counts[seen]))][:draft_vocab_size]
+    filled = draft_vocab_size - len(ranked)
+    if filled:
+        unused = np.flatnonzero(counts == 0)[:filled]
+        ranked = np.concatenate([ranked, unused])
+    chosen = np.sort(ranked).astype(np.int64)
+    d2t = chosen - np.arange(draft_vocab_size, dtype=np.int64)
+    t2d = np.zeros(target_vocab_size, dtype=bool)
+    t2d[chosen] = True
+    total = int(counts.sum())
+    covered = int(counts[chosen].sum())
+    return DraftVocab(d2t=d2t, t2d=t2d, coverage=(covered / total) if total else 0.0,
+                      output_tokens=total, distinct_output_tokens=int(len(seen)), filled=int(filled))
+
+
+def coverage_curve(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
+    """Coverage the best draft vocabulary of each size would reach (share of output tokens)."""
+    c = np.sort(np.asarray(counts, dtype=np.int64))[::-1].cumsum()
+    total = int(c[-1]) if len(c) else 0
+    return {int(n): (float(c[min(n, len(c)) - 1]) / total if total and n > 0 else 0.0) for n in sizes}
+
+
+def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> Path:
+    """Write `d2t` (int64) and `t2d` (bool) to a safetensors file."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": np.ascontiguousarray(vocab.d2t, dtype=np.int64),
+               "t2d": np.ascontiguousarray(vocab.t2d, dtype=bool)}, str(path),
+              metadata={"coverage": f"{vocab.coverage:.6f}", "convention": "target_id = draft_id + d2t[draft_id]"})
+    return path
+
+
+def load_draft_vocab(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read (d2t, t2d) back from a safetensors file written by `save_draft_vocab`."""
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
+    return t["d2t"], t["t2d"]
+
+
+# ---------------------------------------------------------------- writers
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    n = 0
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write(orjson.dumps(r) + b"\n")
+            n += 1
+    return n
+
+
+def _write_parquet(path: Path, samples: list[Sample]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "id": pa.array([s.id for s in samples], pa.string()),
+        "dataset": pa.array([s.dataset for s in samples], pa.string()),
+        "sample_id": pa.array([str(s.sample_id) for s in samples], pa.string()),
+        "source": pa.array([s.source for s in samples], pa.string()),
+        "ids_exact": pa.array([s.ids_exact for s in samples], pa.bool_()),
+        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
+        "input_ids": pa.array([s.input_ids for s in samples], pa.list_(pa.int64())),
+        "loss_mask": pa.array([s.loss_mask for s in samples], pa.list_(pa.int8())),
+    })
+    pq.write_table(table, path)
+
+
+def _save_to_disk(folder: Path, samples: list[Sample]) -> bool:
+    """A Hugging Face `datasets` folder (what speculators' prepare_data writes), if `datasets` is installed."""
+    try:
+        from datasets import Dataset
+    except ImportError:
+        return False
+    Dataset.from_list([s.token_record() | {"sample_id": str(s.sample_id)} for s in samples]).save_to_disk(str(folder))
+    return True
+
+
+def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_size: int,
+           target_vocab_size: int, include_failed: bool = False,
+           selection: Selection | None = None) -> dict[str, Any]:
+    """Write one trainer format plus the draft vocabulary into `out`; returns the manifest."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    run_dir, out = Path(run_dir), Path(out)
+    sel = selection or select_samples(run_dir, include_failed=include_failed)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = output_token_counts(sel.samples, target_vocab_size)
+    vocab = build_draft_vocab(counts, draft_vocab_size)
+    files: dict[str, str] = {}
+    save_draft_vocab(vocab, out / "draft_vocab.safetensors")
+    files["draft_vocab.safetensors"] = "d2t int64 [draft_vocab] (target_id = draft_id + d2t), t2d bool [target_vocab]"
+    if fmt == "specforge":
+        import torch
+
+        _write_jsonl(out / "conversations.jsonl", (conversation(s.record) for s in sel.samples))
+        files["conversations.jsonl"] = "SpecForge conversations (id, conversations[role, content, reasoning_content], tools): text, re-templated by the trainer"
+        _write_jsonl(out / "token_ids.jsonl", (s.token_record() for s in sel.samples))
+        files["token_ids.jsonl"] = "token-level records (id, dataset, sample_id, source, ids_exact, finish_reason, input_ids, loss_mask): exact ids"
+        torch.save({"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
+                   out / "vocab_mapping.pt")
+        files["vocab_mapping.pt"] = "torch dict {d2t, t2d}: SpecForge's vocab mapping file"
+    else:
+        import torch
+
+        _write_parquet(out / "data.parquet", sel.samples)
+        files["data.parquet"] = "token-level records (input_ids, loss_mask + metadata columns): exact ids"
+        if _save_to_disk(out / "dataset", sel.samples):
+            files["dataset/"] = "Hugging Face datasets folder (load_from_disk), columns input_ids, loss_mask + metadata"
+        nz = np.flatnonzero(counts)
+        torch.save({int(i): int(counts[i]) for i in nz}, out / "token_freq.pt")
+        files["token_freq.pt"] = "torch dict {token_id: count} of output tokens (loss_mask 1)"
+        np.save(out / "d2t.npy", vocab.d2t)
+        np.save(out / "t2d.npy", vocab.t2d)
+        files["d2t.npy"] = "draft-to-target offsets, int64"
+        files["t2d.npy"] = "target-in-draft membership, bool"
+    manifest = {
+        "format": fmt,
+        "run_dir": str(run_dir),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "selection": {"verdicts_present": sel.verdicts_present, "include_failed": sel.include_failed,
+                      "rule": ("records that passed every audit check" if sel.verdicts_present and not sel.include_failed
+                               else "all records with ids (no audit filter)")},
+        "exported": len(sel.samples),
+        "ids_exact": sum(s.ids_exact for s in sel.samples),
+        "ids_rebuilt": sum(not s.ids_exact for s in sel.samples),
+        "tokens": sum(len(s.input_ids) for s in sel.samples),
+        "output_tokens": int(counts.sum()),
+        "skipped": sel.skipped_counts(),
+        "skipped_samples": sel.skipped,
+        "draft_vocab": vocab.summary(),
+        "files": files,
+    }
+    (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    return manifest
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _run_settings(run_dir: Path) -> tuple[int, int, bool]:
+    """(draft_vocab_size, target_vocab_size, include_failed) for a run folder.
+
+    Export params come from the params recorded in `provenance/01_generate.json` (defaults when
+    absent); the target vocabulary size from the profile named in the records.
+    """
+    from .params import ExportParams
+    from .profiles import get_profile
+
+    export_params = ExportParams()
+    prov = run_dir / "provenance" / "01_generate.json"
+    if prov.exists():
+        data = json.loads(prov.read_text(encoding="utf-8"))
+        export_params = ExportParams.model_validate((data.get("params") or {}).get("export") or {})
+    profile = None
+    for rec in _latest_records(run_dir):
+        profile = rec.get("profile")
+        if profile:
+            break
+    if not profile:
+        raise ExportError(f"{run_dir}/records: no record names its profile; cannot size the target vocabulary")
+    return export_params.draft_vocab_size, get_profile(profile).vocab_size, export_params.include_failed
+
+
+def export_run(params: Any, out: str | Path | None = None, formats: Iterable[str] = FORMATS) -> dict[str, Any]:
+    """Export a run in each format into `<run>/export/<format>/` (or `out`); returns manifests by format."""
+    from .profiles import get_profile
+
+    run_dir = params.run_dir
+    out = Path(out) if out else run_dir / "export"
+    sel = select_samples(run_dir, include_failed=params.export.include_failed)
+    return {fmt: export(run_dir, out / fmt, fmt, draft_vocab_size=params.export.draft_vocab_size,  # type: ignore[arg-type]
+                        target_vocab_size=get_profile(params.profile).vocab_size,
+                        include_failed=params.export.include_failed, selection=sel)
+            for fmt in formats}
+
+
+def export_cli(run: str, *, fmt: str, out: str) -> int:
+    """`python -m eagle3data export RUN --format specforge|speculators --out DIR`."""
+    run_dir = Path(run)
+    try:
+        draft, target, include_failed = _run_settings(run_dir)
+        m = export(run_dir, out, fmt, draft_vocab_size=draft, target_vocab_size=target,  # type: ignore[arg-type]
+                   include_failed=include_failed)
+    except (ExportError, KeyError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    skipped = ", ".join(f"{k} {v}" for k, v in m["skipped"].items()) or "none"
+    print(f"exported {m['exported']} samples ({m['ids_exact']} exact ids, {m['ids_rebuilt']} rebuilt), "
+          f"{m['output_tokens']} output tokens -> {out}")
+    print(f"skipped: {skipped}")
+    dv = m["draft_vocab"]
+    print(f"draft vocab {dv['draft_vocab_size']} of {dv['target_vocab_size']}: coverage {dv['coverage']:.2%}"
+          + (f" ({dv['filled']} ids filled: fewer distinct output tokens than the size)" if dv["filled"] else ""))
+    return 0
