@@ -133,6 +133,27 @@ class HiddenParams(Strict):
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Dtype on disk.")
     dataset_caps: dict[str, int] = Field(default_factory=dict, description="Most samples per dataset in the mix.")
     seed: int = Field(0, description="Seed of the training-mix shuffle.")
+    datasets: list[str] | None = Field(None, description="Datasets in the mix (None = every dataset of the run).")
+    drop_truncated: bool = Field(
+        False, description="Leave out records cut at max_new_tokens (finish_reason `length` or audit `truncated`)."
+    )
+    dedupe: bool = Field(True, description="Drop records whose input_ids repeat an earlier record's exactly.")
+    out_dir: str | None = Field(
+        None, description="Folder for the mix, shards and index (default `<run>/hidden/`), e.g. a large scratch disk."
+    )
+    probe_batches: int = Field(2, ge=0, description="Batches timed before the run for the time estimate (0 = none).")
+    disk_margin: float = Field(
+        1.05, ge=1.0, description="Refuse to start unless free disk >= this x the estimated bytes still to write."
+    )
+    validate_after: bool = Field(True, description="Validate every stored sample once the index is merged.")
+
+    @field_validator("dataset_caps")
+    @classmethod
+    def _positive_caps(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {k: n for k, n in v.items() if n < 0}
+        if bad:
+            raise ValueError(f"dataset caps must be >= 0, got {bad}")
+        return v
 
 
 class ExportParams(Strict):

@@ -1,0 +1,355 @@
+"""Training mix: which samples 04_extract_hidden extracts, in which order, and why others are out.
+
+`build_mix(params)` reads the run's records (exact ids from 01, rebuilt ids for API records
+from 02's `reconstruct/<dataset>.jsonl`), keeps only records that passed 03's audit (unless
+`hidden.include_failed`), drops duplicates, applies per-dataset caps, shuffles with a seed,
+and writes `hidden/mix.parquet` (one row per sample: ids, loss mask, provenance) plus
+`hidden/mix_manifest.json` (counts and tokens per dataset and source; every drop and its
+reason). The result is deterministic: the same records and params give the same mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from .params import RunParams
+from .records import read_records
+
+MIX_FILE = "mix.parquet"
+MANIFEST_FILE = "mix_manifest.json"
+
+# Why a record is not in the mix (the manifest counts each).
+DROP_REASONS = {
+    "error": "generation ended in an error or abort",
+    "no_ids": "no output_ids in the record and no rebuilt ids from 02_reconstruct",
+    "bad_ids": "input_ids and loss_mask differ in length, or the mask trains nothing",
+    "truncated": "cut at max_new_tokens (hidden.drop_truncated)",
+    "audit_failed": "failed a 03_audit check (hidden.include_failed is off)",
+    "not_audited": "no 03_audit verdict although the audit ran",
+    "duplicate_key": "(dataset, sample_id) already taken from an earlier journal line",
+    "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
+    "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
+}
+
+
+class MixError(ValueError):
+    """An input file of the mix is malformed; the message names file, line and field."""
+
+
+@dataclass
+class Sample:
+    """One training sequence: ids and loss mask plus where it came from."""
+
+    dataset: str
+    sample_id: str
+    source: str
+    ids_exact: bool
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def key(self) -> str:
+        return sample_key(self.dataset, self.sample_id)
+
+
+def sample_key(dataset: str, sample_id: Any) -> str:
+    """The stable text key of a sample across stages: `dataset/sample_id`."""
+    return f"{dataset}/{sample_id}"
+
+
+def hidden_dir(params: RunParams) -> Path:
+    """Where 04 writes: `hidden.out_dir` or `<run>/hidden/`."""
+    return Path(params.hidden.out_dir) if params.hidden.out_dir else params.run_dir / "hidden"
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    out = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            if not line.endswith(b"\n"):
+                break  # torn last line of a file still being written
+            try:
+                out.append((lineno, orjson.loads(line)))
+            except orjson.JSONDecodeError as e:
+                raise MixError(f"{path}:{lineno}: not JSON ({e})") from None
+    return out
+
+
+def read_reconstructed(run_dir: Path, dataset: str) -> dict[str, tuple[list[int], list[int]]]:
+    """Rebuilt `(input_ids, loss_mask)` by sample_id from 02's `reconstruct/<dataset>.jsonl` (empty if absent)."""
+    path = run_dir / "reconstruct" / f"{dataset}.jsonl"
+    if not path.exists():
+        return {}
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    for lineno, obj in _read_jsonl(path):
+        for fld in ("sample_id", "input_ids", "loss_mask"):
+            if fld not in obj:
+                raise MixError(f"{path}:{lineno}: missing field `{fld}`")
+        ids, mask = obj["input_ids"], obj["loss_mask"]
+        if not isinstance(ids, list) or not isinstance(mask, list):
+            raise MixError(f"{path}:{lineno}: field `input_ids`/`loss_mask` must be lists")
+        out[str(obj["sample_id"])] = (ids, mask)
+    return out
+
+
+def read_verdicts(run_dir: Path) -> dict[str, dict[str, Any]] | None:
+    """03's verdicts by sample key, or None when the audit has not run (no `audit/verdicts.jsonl`)."""
+    path = run_dir / "audit" / "verdicts.jsonl"
+    if not path.exists():
+        return None
+    out = {}
+    for lineno, obj in _read_jsonl(path):
+        for fld in ("dataset", "sample_id", "failed"):
+            if fld not in obj:
+                raise MixError(f"{path}:{lineno}: missing field `{fld}`")
+        out[sample_key(obj["dataset"], obj["sample_id"])] = obj
+    return out
+
+
+def resolve_ids(rec: dict[str, Any], rebuilt: dict[str, tuple[list[int], list[int]]]) -> Sample | None:
+    """A record's training sequence: exact ids from the record, else 02's rebuilt ids, else None."""
+    sid = str(rec["sample_id"])
+    if rec.get("output_ids") is not None and rec.get("prompt_ids") is not None:
+        p, o = rec["prompt_ids"], rec["output_ids"]
+        return Sample(rec["dataset"], sid, rec.get("source", "local"), bool(rec.get("ids_exact", True)),
+                      list(p) + list(o), [0] * len(p) + [1] * len(o))
+    if sid in rebuilt:
+        ids, mask = rebuilt[sid]
+        return Sample(rec["dataset"], sid, rec.get("source", "api"), False, list(ids), list(mask))
+    return None
+
+
+def source_sequences(params: RunParams) -> dict[str, Sample]:
+    """Every resolvable sequence of the run's chosen datasets by key (first usable journal line wins)."""
+    run_dir = params.run_dir
+    out: dict[str, Sample] = {}
+    for name in _chosen(params):
+        rebuilt = read_reconstructed(run_dir, name)
+        path = run_dir / "records" / f"{name}.jsonl"
+        for rec in read_records(path) if path.exists() else []:
+            if rec.get("finish_reason") in ("error", "abort"):
+                continue
+            s = resolve_ids(rec, rebuilt)
+            if s is not None and s.key not in out:
+                out[s.key] = s
+    return out
+
+
+def _chosen(params: RunParams) -> list[str]:
+    names = [d.name for d in params.datasets]
+    if params.hidden.datasets is None:
+        return names
+    unknown = [n for n in params.hidden.datasets if n not in names]
+    if unknown:
+        raise MixError(f"hidden.datasets names datasets the run does not have: {unknown}; run has {names}")
+    return [n for n in names if n in params.hidden.datasets]
+
+
+@dataclass
+class Mix:
+    """The training mix: samples in shuffled order, the manifest, and where both were written."""
+
+    samples: list[Sample]
+    manifest: dict[str, Any]
+    path: Path | None = None
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+
+    def table(self):
+        """Per dataset and source: samples, tokens and trained (loss) tokens that went in."""
+        import pandas as pd
+
+        rows = [{"dataset": s.dataset, "source": s.source, "ids_exact": s.ids_exact, "samples": 1,
+                 "tokens": len(s.input_ids), "loss_tokens": int(sum(s.loss_mask))} for s in self.samples]
+        if not rows:
+            return pd.DataFrame(columns=["samples", "tokens", "loss_tokens"])
+        return pd.DataFrame(rows).groupby(["dataset", "source", "ids_exact"]).sum()
+
+    def dropped_table(self):
+        """Per dataset: how many records each reason kept out."""
+        import pandas as pd
+
+        if not self.dropped:
+            return pd.DataFrame(columns=["dataset", "reason", "records"]).set_index(["dataset", "reason"])
+        df = pd.DataFrame(self.dropped)
+        return df.groupby(["dataset", "reason"]).size().rename("records").to_frame()
+
+
+def build_mix(params: RunParams, *, write: bool = True) -> Mix:
+    """Build the training mix from the run's records, audit verdicts and rebuilt ids; write it under hidden/."""
+    hp = params.hidden
+    run_dir = params.run_dir
+    verdicts = read_verdicts(run_dir)
+    dropped: list[dict[str, Any]] = []
+    kept: list[Sample] = []
+    seen_keys: set[str] = set()
+    seen_ids: dict[bytes, str] = {}
+    records_read = 0
+
+    def drop(rec_or_s: Any, reason: str, **extra: Any) -> None:
+        ds = rec_or_s.dataset if isinstance(rec_or_s, Sample) else rec_or_s["dataset"]
+        sid = rec_or_s.sample_id if isinstance(rec_or_s, Sample) else str(rec_or_s["sample_id"])
+        dropped.append({"dataset": ds, "sample_id": sid, "reason": reason, **extra})
+
+    for name in _chosen(params):
+        rebuilt = read_reconstructed(run_dir, name)
+        path = run_dir / "records" / f"{name}.jsonl"
+        recs = read_records(path) if path.exists() else []
+        records_read += len(recs)
+        cands: list[Sample] = []
+        for rec in recs:
+            if rec["dataset"] != name:
+                raise MixError(f"{path}: record {rec['sample_id']!r} has dataset {rec['dataset']!r}, not {name!r}")
+            key = sample_key(name, rec["sample_id"])
+            if rec.get("finish_reason") in ("error", "abort"):
+                drop(rec, "error")
+                continue
+            if key in seen_keys:
+                drop(rec, "duplicate_key")
+                continue
+            s = resolve_ids(rec, rebuilt)
+            if s is None:
+                drop(rec, "no_ids")
+                continue
+            if len(s.input_ids) != len(s.loss_mask) or not any(s.loss_mask):
+                drop(rec, "bad_ids")
+                continue
+            v = verdicts.get(key) if verdicts is not None else None
+            if hp.drop_truncated and (rec.get("finish_reason") == "length" or (v or {}).get("truncated")):
+                drop(rec, "truncated")
+                continue
+            if verdicts is not None and not hp.include_failed:
+                if v is None:
+                    drop(rec, "not_audited")
+                    continue
+                if v.get("failed"):
+                    drop(rec, "audit_failed", checks=list(v["failed"]))
+                    continue
+            seen_keys.add(key)
+            cands.append(s)
+        # deterministic order before dedupe/caps: journals are in completion order
+        cands.sort(key=lambda s: _sort_key(s.sample_id))
+        uniq: list[Sample] = []
+        for s in cands:
+            h = hashlib.blake2b(np.asarray(s.input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+            if hp.dedupe and h in seen_ids:
+                drop(s, "duplicate_ids", same_as=seen_ids[h])
+                continue
+            seen_ids.setdefault(h, s.key)
+            uniq.append(s)
+        cap = hp.dataset_caps.get(name)
+        if cap is not None and len(uniq) > cap:
+            rng = np.random.default_rng([hp.seed, _name_seed(name)])
+            pick = set(rng.permutation(len(uniq))[:cap].tolist())
+            for i, s in enumerate(uniq):
+                if i not in pick:
+                    drop(s, "over_cap")
+            uniq = [s for i, s in enumerate(uniq) if i in pick]
+        kept.extend(uniq)
+
+    order = np.random.default_rng(hp.seed).permutation(len(kept))
+    samples = [kept[i] for i in order]
+    manifest = _manifest(params, samples, dropped, verdicts is not None, records_read)
+    mix = Mix(samples, manifest, dropped=dropped)
+    if write:
+        mix.path = write_mix(mix, hidden_dir(params))
+    return mix
+
+
+def _sort_key(sid: str) -> tuple[int, Any]:
+    return (0, int(sid), "") if sid.lstrip("-").isdigit() else (1, 0, sid)
+
+
+def _name_seed(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+
+
+def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, Any]], audited: bool,
+              records_read: int) -> dict[str, Any]:
+    hp = params.hidden
+    per: dict[str, dict[str, Any]] = {}
+    for s in samples:
+        d = per.setdefault(s.dataset, {"samples": 0, "tokens": 0, "loss_tokens": 0, "by_source": {}})
+        n, nl = len(s.input_ids), int(sum(s.loss_mask))
+        d["samples"] += 1
+        d["tokens"] += n
+        d["loss_tokens"] += nl
+        src = d["by_source"].setdefault(s.source, {"samples": 0, "tokens": 0, "ids_exact": 0})
+        src["samples"] += 1
+        src["tokens"] += n
+        src["ids_exact"] += int(s.ids_exact)
+    drops: dict[str, dict[str, int]] = {}
+    for d in dropped:
+        drops.setdefault(d["dataset"], {}).setdefault(d["reason"], 0)
+        drops[d["dataset"]][d["reason"]] += 1
+    keys = "\n".join(s.key for s in samples).encode()
+    return {
+        "records_read": records_read,
+        "samples": len(samples),
+        "tokens": sum(len(s.input_ids) for s in samples),
+        "loss_tokens": sum(int(sum(s.loss_mask)) for s in samples),
+        "fingerprint": hashlib.blake2b(keys, digest_size=16).hexdigest(),
+        "audit_applied": audited and not hp.include_failed,
+        "audit_note": (
+            "audit/verdicts.jsonl found: only records that passed every check are in"
+            if audited and not hp.include_failed
+            else "audit/verdicts.jsonl found but hidden.include_failed is on: failed records are in"
+            if audited
+            else "no audit/verdicts.jsonl (03_audit has not run): NO audit filter applied"
+        ),
+        "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "datasets": _chosen(params),
+                     "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
+                     "dedupe": hp.dedupe},
+        "datasets": per,
+        "dropped_counts": drops,
+        "drop_reasons": {k: DROP_REASONS[k] for k in sorted({d["reason"] for d in dropped})},
+        "dropped": dropped,
+    }
+
+
+def write_mix(mix: Mix, out_dir: Path) -> Path:
+    """Write `mix.parquet` and `mix_manifest.json` atomically (safe when several workers write the same mix)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = pa.table({
+        "position": pa.array(range(len(mix.samples)), pa.int64()),
+        "dataset": pa.array([s.dataset for s in mix.samples], pa.string()),
+        "sample_id": pa.array([s.sample_id for s in mix.samples], pa.string()),
+        "source": pa.array([s.source for s in mix.samples], pa.string()),
+        "ids_exact": pa.array([s.ids_exact for s in mix.samples], pa.bool_()),
+        "input_ids": pa.array([s.input_ids for s in mix.samples], pa.list_(pa.int32())),
+        "loss_mask": pa.array([s.loss_mask for s in mix.samples], pa.list_(pa.uint8())),
+    })
+    tag = f".tmp{os.getpid()}"
+    path = out_dir / MIX_FILE
+    pq.write_table(table, str(path) + tag)
+    os.replace(str(path) + tag, path)
+    man = out_dir / MANIFEST_FILE
+    Path(str(man) + tag).write_bytes(orjson.dumps(mix.manifest, option=orjson.OPT_INDENT_2))
+    os.replace(str(man) + tag, man)
+    return path
+
+
+def read_mix(out_dir: str | Path) -> Mix:
+    """Read a written mix back (samples in mix order, and its manifest)."""
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    path = out_dir / MIX_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no training mix at {path}: build it first (mix.build_mix)")
+    t = pq.read_table(path).to_pydict()
+    samples = [Sample(d, sid, src, ex, ids, mask) for d, sid, src, ex, ids, mask in
+               zip(t["dataset"], t["sample_id"], t["source"], t["ids_exact"], t["input_ids"], t["loss_mask"])]
+    manifest = orjson.loads((out_dir / MANIFEST_FILE).read_bytes())
+    return Mix(samples, manifest, path, dropped=manifest.get("dropped", []))
