@@ -1,0 +1,153 @@
+"""The shareable report, checked in a real browser: plots are images that loaded, the check table is there.
+
+Runs headless Chromium (Debian package `chromium`) with `--dump-dom` on a copy of the report
+into which a small script is injected: on the page's load event it writes, into a
+`<pre id="e3-browser-check">`, each image's `complete`/`naturalWidth`/`naturalHeight` and the
+number of `table.check-table` elements (the marker the 03_audit notebook puts on its check
+table). External hosts are mapped to NOTFOUND, so the page's CDN scripts fail at once and the
+check never touches the network. Skipped, with the reason, where Chromium is not installed.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "e3-browser-check"
+PROBE = (
+    "<script>window.addEventListener('load',function(){var r={images:Array.from(document.images)"
+    ".map(function(i){return {complete:i.complete,width:i.naturalWidth,height:i.naturalHeight,"
+    "src:(i.getAttribute('src')||'').slice(0,40)}}),"
+    "check_tables:document.querySelectorAll('table.check-table').length,"
+    "check_table_rows:Array.from(document.querySelectorAll('table.check-table tbody tr')).length};"
+    "var p=document.createElement('pre');p.id='" + MARKER + "';p.textContent=JSON.stringify(r);"
+    "document.body.appendChild(p);});</script>"
+)
+
+
+def chromium_binary() -> str | None:
+    """Chromium to use: $CHROMIUM, else `chromium` / `chromium-browser` on PATH, else /usr/bin/chromium."""
+    for cand in (os.environ.get("CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser"),
+                 "/usr/bin/chromium"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+needs_chromium = pytest.mark.skipif(
+    chromium_binary() is None,
+    reason="headless Chromium not installed (Debian: apt-get install -y chromium; or set $CHROMIUM)",
+)
+
+
+def browser_check(page: Path, workdir: Path) -> dict:
+    """Load `page` in headless Chromium; return what the injected probe saw (images, check tables)."""
+    probe_page = workdir / "probed.html"
+    text = page.read_text(encoding="utf-8")
+    probe_page.write_text(text.replace("</body>", PROBE + "</body>") if "</body>" in text else text + PROBE,
+                          encoding="utf-8")
+    cmd = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--no-first-run", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={workdir / 'chromium-profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
+           "--virtual-time-budget=10000", "--dump-dom", probe_page.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(rf'<pre id="{MARKER}">(.*?)</pre>', proc.stdout, re.S)
+    assert m, (f"the probe did not report (chromium exit {proc.returncode}); "
+               f"stderr tail:\n{proc.stderr[-2000:]}")
+    return json.loads(html.unescape(m.group(1)))
+
+
+def _png_bytes() -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.bar(["pass", "fail"], [3, 1])
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _fake_audit_run(run_dir: Path) -> Path:
+    """A run folder holding an executed-looking 03_audit notebook: one plot, one check table."""
+    import nbformat
+    import pandas as pd
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    table = pd.DataFrame({"check": ["ends_with_end_of_turn", "roundtrip"], "failed": [0, 1], "n": [4, 4]})
+    cells = [
+        new_markdown_cell("# 03 · Audit"),
+        new_code_cell("plot()", outputs=[new_output("display_data", data={
+            "image/png": base64.b64encode(_png_bytes()).decode(), "text/plain": "<Figure>"})]),
+        new_code_cell("table", outputs=[new_output("execute_result", execution_count=1, data={
+            "text/html": table.to_html(classes="check-table", index=False), "text/plain": table.to_string()})]),
+    ]
+    nb = new_notebook(cells=cells)
+    (run_dir / "notebooks").mkdir(parents=True)
+    nbformat.write(nb, str(run_dir / "notebooks" / "03_audit.ipynb"))
+    return run_dir
+
+
+@needs_chromium
+def test_probe_tells_a_loaded_plot_from_a_broken_one(tmp_path):
+    """The harness itself: a real PNG loads (naturalWidth > 0), a corrupt one does not, tables are counted."""
+    good = base64.b64encode(_png_bytes()).decode()
+    page = tmp_path / "page.html"
+    page.write_text(
+        "<html><body>"
+        f'<img src="data:image/png;base64,{good}">'
+        '<img src="data:image/png;base64,bm90IGEgcG5n">'
+        '<table class="check-table"><tbody><tr><td>x</td></tr></tbody></table>'
+        "</body></html>", encoding="utf-8")
+    seen = browser_check(page, tmp_path)
+    widths = [i["width"] for i in seen["images"]]
+    assert widths[0] > 0 and widths[1] == 0
+    assert seen["check_tables"] == 1
+
+
+@needs_chromium
+def test_rendered_report_shows_loaded_plots_and_the_check_table(tmp_path):
+    """`render_report` output (code hidden, images inlined) loads its plots and keeps the check table."""
+    from eagle3data.report import render_report
+
+    report = render_report(_fake_audit_run(tmp_path / "run"))
+    seen = browser_check(report, tmp_path)
+    assert seen["images"], "no image in the report"
+    assert all(i["complete"] and i["width"] > 0 for i in seen["images"]), seen["images"]
+    assert seen["check_tables"] == 1 and seen["check_table_rows"] == 2
+
+
+@needs_chromium
+@pytest.mark.skipif(not (REPO / "notebooks" / "03_audit.ipynb").exists(),
+                    reason="notebooks/03_audit.ipynb does not exist yet (stage 03 not built)")
+def test_audit_report_of_a_real_run_in_the_browser(ci_run, tmp_path):
+    """Stage 03 on the small CI run, then its report.html in Chromium: every plot loaded, check table present."""
+    root = tmp_path / "runs"
+    shutil.copytree(ci_run.run_dir, root / ci_run.run_name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3data", "run", str(REPO / "params" / "ci.yaml"), "-p", "output_root", str(root),
+         "--only", "02", "--only", "03"] if (REPO / "notebooks" / "02_reconstruct.ipynb").exists() else
+        [sys.executable, "-m", "eagle3data", "run", str(REPO / "params" / "ci.yaml"), "-p", "output_root", str(root),
+         "--only", "03"],
+        cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = root / ci_run.run_name / "report.html"
+    assert report.exists()
+    seen = browser_check(report, tmp_path)
+    assert seen["images"], "the audit report has no plot"
+    assert all(i["complete"] and i["width"] > 0 for i in seen["images"]), seen["images"]
+    assert seen["check_tables"] >= 1, "no <table class='check-table'> in the audit report"
