@@ -69,6 +69,9 @@ class ProviderRouting(Strict):
     sort: Literal["price", "throughput", "latency"] | None = Field(None, description="Provider sort key.")
     data_collection: Literal["allow", "deny"] | None = Field(None, description="Provider data-retention policy.")
     require_parameters: bool | None = Field(None, description="Only providers that honour every parameter.")
+    max_price: dict[str, float] | None = Field(
+        None, description="Most USD per million tokens a provider may charge, e.g. {prompt: 1, completion: 3}."
+    )
 
 
 class ReasoningParams(Strict):
@@ -86,6 +89,9 @@ class OpenAIParams(Strict):
     reasoning: ReasoningParams | None = Field(None, description="OpenRouter reasoning settings.")
     check_credit: bool = Field(True, description="Read GET {base_url}/key before starting (OpenRouter).")
     min_credit_usd: float = Field(0.0, ge=0.0, description="Refuse to start below this remaining credit.")
+    credit_poll_s: float = Field(
+        30.0, gt=0, description="Re-read GET {base_url}/key this often while running (credit in the progress line)."
+    )
 
 
 class GenerateParams(Strict):
@@ -101,6 +107,18 @@ class GenerateParams(Strict):
     resume: bool = Field(True, description="Skip (dataset, sample_id) pairs already in the journal.")
     retry_errors: bool = Field(False, description="On resume, send again samples whose record is an error.")
     stop_grace_s: float = Field(60.0, ge=0, description="On stop, wait this long for requests in flight.")
+    budget_counts: Literal["total", "completion"] = Field(
+        "total", description="What a dataset's token_budget counts: prompt+completion tokens, or completion only."
+    )
+    reserve_completion_tokens: int | None = Field(
+        None, gt=0,
+        description="Completion tokens reserved per request in flight against the budget (None = max_new_tokens).",
+    )
+    retry_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles per retry, jittered x0.5-1.5.")
+    retry_backoff_max_s: float = Field(60.0, gt=0, description="Longest delay between two retries.")
+    max_rate_limit_retries: int = Field(50, ge=0, description="Retries after HTTP 429 (each waits Retry-After).")
+    journal_fsync: bool = Field(False, description="fsync every journal line (survives power loss; slower).")
+    ledger_interval_s: float = Field(1.0, gt=0, description="How often ledger.json and the progress line refresh.")
 
     @model_validator(mode="after")
     def _backend_settings_present(self) -> "GenerateParams":
@@ -116,6 +134,16 @@ class ReconstructParams(Strict):
         0.02, ge=0.0, description="Flag records whose rebuilt length differs from billed tokens by more than this share."
     )
     drift_examples: int = Field(3, ge=0, description="Divergent examples shown token by token per dataset.")
+    drift: bool = Field(True, description="Measure re-tokenizing drift on records with exact ids (local/sglang).")
+    seam_check: Literal["offsets", "reencode"] = Field(
+        "offsets",
+        description="`offsets`: prove seams from the whole encoding's offsets (one encode); "
+        "`reencode`: also encode every part alone and compare ids (about 2x the work).",
+    )
+    append_guard: bool = Field(
+        False, description="Append the profile's guard token (Kimi [EOS]) after end-of-turn; engines stop before it."
+    )
+    batch_size: int = Field(4096, gt=0, description="Records per batched tokenizer call.")
 
 
 class AuditParams(Strict):
