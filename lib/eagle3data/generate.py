@@ -1,59 +1,39 @@
-"""Stage 01: run prompt datasets through the target and journal the exact token ids.
+"""Stage 01: run prompt datasets through the target and journal every response as it completes.
 
 `run_generate(params)` templates every prompt with the profile's options, skips samples the
-journal already holds (resume keyed by `(dataset, sample_id)`), generates with the backend
-named in params, appends one record per response as it completes, and keeps
-`outputs/<run>/ledger.json` up to date.
+journal already holds (resume keyed by `(dataset, sample_id)`; a torn last line is cut off
+and reported), and generates with the backend named in params:
+
+- `local`: batched in-process generation; exact ids.
+- `sglang`: the native `/generate` endpoint with pre-templated `input_ids`; exact ids.
+- `openai`: an OpenAI-compatible `/chat/completions` API (OpenRouter flavour); text records,
+  ids rebuilt by 02_reconstruct.
+
+The HTTP backends share one asyncio engine (`backends/engine.py`) with budgets, a cost cap,
+retries and a graceful stop (SIGINT/SIGTERM, or a `STOP` file in the run folder; a second
+signal cancels what is in flight). `outputs/<run>/ledger.json` is kept current while it runs.
+Headless without papermill: `python -m eagle3data.generate params/x.yaml -p key value`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from .ledger import DatasetLedger, ledger_frame, provider_frame, read_ledger, write_ledger
 from .params import RunParams
 from .profiles import get_profile
 from .prompts import Prompt, load_datasets, template_prompt
 from .records import Journal, Record, Usage, record_key, scan_journal
 
-
-@dataclass
-class DatasetLedger:
-    """Per-dataset counts: the damage assessment of a run, kept current while it runs."""
-
-    planned: int = 0
-    done: int = 0
-    errors: int = 0
-    skipped: int = 0
-    in_flight: int = 0
-    resumed: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
-    by_provider: dict[str, dict[str, float]] = field(default_factory=dict)
-    skipped_ids: list[Any] = field(default_factory=list)
-    cancelled_ids: list[Any] = field(default_factory=list)
-    rejected_prompt_lines: list[str] = field(default_factory=list)
-
-
-def write_ledger(run_dir: Path, ledger: dict[str, DatasetLedger], status: str, extra: dict | None = None) -> None:
-    """Write `ledger.json` atomically (write a temp file, then rename)."""
-    data = {"status": status, "updated_at": time.time(),
-            "datasets": {k: v.__dict__ for k, v in ledger.items()}}
-    if extra:
-        data.update(extra)
-    tmp = run_dir / "ledger.json.tmp"
-    tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
-    tmp.replace(run_dir / "ledger.json")
-
-
-def read_ledger(run_dir: str | Path) -> dict[str, Any] | None:
-    p = Path(run_dir) / "ledger.json"
-    return orjson.loads(p.read_bytes()) if p.exists() else None
+__all__ = ["run_generate", "GenerateSummary", "DatasetLedger", "write_ledger", "read_ledger", "plan_run"]
 
 
 def _sampling_dict(params: RunParams) -> dict[str, Any]:
@@ -77,80 +57,285 @@ def _local_record(params: RunParams, prompt: Prompt, prompt_ids: list[int], res:
 
 @dataclass
 class GenerateSummary:
+    """What a call of run_generate did: the ledger, time, new records, and how it ended."""
+
     run_dir: Path
     ledger: dict[str, DatasetLedger]
     seconds: float
     new_records: int
+    status: str = "finished"
+    stop_reason: str | None = None
+    torn_tail_bytes: dict[str, int] = field(default_factory=dict)
+    responses: int = 0
 
     def table(self):
-        import pandas as pd
+        """One row per dataset: planned, done, resumed, errors, skipped, cancelled, tokens, cost."""
+        return ledger_frame(self.ledger)
 
-        rows = [{"dataset": k, **{c: getattr(v, c) for c in
-                 ("planned", "done", "resumed", "errors", "skipped", "prompt_tokens", "completion_tokens")}}
-                for k, v in self.ledger.items()]
-        return pd.DataFrame(rows).set_index("dataset")
+    def providers(self):
+        """One row per dataset and source/provider: done, errors, tokens, cost."""
+        return provider_frame(self.ledger)
 
 
-def run_generate(params: RunParams, *, progress: bool = True, model: Any = None, tokenizer: Any = None) -> GenerateSummary:
-    """Generate every pending sample of the run with the local backend; journal as it goes."""
+@dataclass
+class RunPlan:
+    """What is left to do: the ledger so far, the prompts to send, and what resume found."""
+
+    ledger: dict[str, DatasetLedger]
+    pending: list[tuple[Prompt, list[int]]]
+    done_keys: set[tuple[str, str]]
+    torn_tail_bytes: dict[str, int]
+    bad_lines: list[str]
+
+
+def plan_run(params: RunParams, tokenizer: Any, profile: Any) -> RunPlan:
+    """Read the journals (cutting a torn last line), count what is done, template what is not."""
+    run_dir = params.run_dir
+    sets = load_datasets(params)
+    ledger: dict[str, DatasetLedger] = {}
+    pending: list[tuple[Prompt, list[int]]] = []
+    done_keys: set[tuple[str, str]] = set()
+    torn: dict[str, int] = {}
+    bad: list[str] = []
+    budgets = {d.name: d.token_budget for d in params.datasets}
+    retry_errors = params.generate.retry_errors
+    max_ctx = params.model.max_context
+    for name, ps in sets.items():
+        led = ledger[name] = DatasetLedger(planned=len(ps.prompts), rejected_prompt_lines=list(ps.skipped),
+                                           budget_tokens=budgets.get(name))
+        plan_keys = {(name, str(p.sample_id)) for p in ps.prompts}
+        final: dict[tuple[str, str], dict[str, Any]] = {}
+        scan = scan_journal(run_dir / "records" / f"{name}.jsonl", repair=True)
+        if scan.torn_tail_bytes:
+            torn[name] = scan.torn_tail_bytes
+        bad.extend(scan.bad_lines)
+        if scan.records and not params.generate.resume:
+            raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')} already holds {len(scan.records)} records "
+                             "and generate.resume is false: use a new run_name (journals are never rewritten)")
+        for r in scan.records:
+            k = record_key(r)
+            if k in plan_keys and (k not in final or final[k]["finish_reason"] == "error"):
+                final[k] = r
+        for k, r in final.items():
+            led.add_record(r)
+            if r["finish_reason"] != "error":
+                done_keys.add(k)
+            elif retry_errors:
+                led.remove_error(r)
+            else:
+                done_keys.add(k)
+        led.resumed = led.done
+        for p in ps.prompts:
+            if (name, str(p.sample_id)) in done_keys:
+                continue
+            ids = template_prompt(tokenizer, p, profile)
+            if max_ctx is not None and len(ids) >= max_ctx:
+                led.skipped += 1
+                led.skipped_ids.append(p.sample_id)
+                led.rejected_prompt_lines.append(
+                    f"{name}:{p.sample_id}: prompt of {len(ids)} tokens reaches model.max_context {max_ctx}")
+                continue
+            pending.append((p, ids))
+    return RunPlan(ledger, pending, done_keys, torn, bad)
+
+
+def _report_resume(plan: RunPlan, progress: bool) -> None:
+    for name, n in plan.torn_tail_bytes.items():
+        print(f"resume: cut a torn last line ({n} bytes) off records/{name}.jsonl (a write cut by a crash)",
+              file=sys.stderr)
+    for line in plan.bad_lines[:10]:
+        print(f"resume: skipped unreadable journal line {line}", file=sys.stderr)
+    if progress:
+        resumed = sum(v.done + v.errors for v in plan.ledger.values())
+        if resumed:
+            print(f"resume: {resumed:,} samples already in the journal; {len(plan.pending):,} to generate",
+                  file=sys.stderr)
+
+
+def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
+               progress: bool) -> int:
     from tqdm.auto import tqdm
 
     from .backends.local import LocalBackend
-    from .models import model_for, tokenizer_for
+    from .models import model_for
+
+    run_dir = params.run_dir
+    ledger = plan.ledger
+    pending = sorted(plan.pending, key=lambda x: len(x[1]))  # similar lengths together: less padding per batch
+    budgets = {d.name: d.token_budget for d in params.datasets}
+    counts = params.generate.budget_counts
+    new = 0
+    if not pending:
+        return 0
+    model = model or model_for(params)
+    backend = LocalBackend(model, tokenizer, profile, params.generate.sampling, params.generate.batch_size)
+    journals: dict[str, Journal] = {}
+    bar = tqdm(total=len(pending), desc="generate", unit="sample", disable=not progress)
+    try:
+        bs = params.generate.batch_size
+        for i in range(0, len(pending), bs):
+            chunk = []
+            for p, ids in pending[i: i + bs]:
+                b = budgets.get(p.dataset)
+                if b is not None and ledger[p.dataset].tokens(counts) >= b:
+                    ledger[p.dataset].budget_reached = True
+                    ledger[p.dataset].skipped += 1
+                    ledger[p.dataset].skipped_ids.append(p.sample_id)
+                else:
+                    chunk.append((p, ids))
+            if chunk:
+                results = backend.generate_batch([ids for _, ids in chunk])
+                for (p, ids), res in zip(chunk, results):
+                    rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
+                    j = journals.get(p.dataset) or journals.setdefault(
+                        p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
+                    j.write(rec)
+                    ledger[p.dataset].add_record(rec)
+                    new += 1
+            bar.update(len(pending[i: i + bs]))
+            write_ledger(run_dir, ledger, "running", {"source": "local"})
+    finally:
+        bar.close()
+        for j in journals.values():
+            j.close()
+    return new
+
+
+def _jobs(params: RunParams, plan: RunPlan) -> list:
+    from .backends.engine import Job
+
+    g = params.generate
+    reserve_out = g.reserve_completion_tokens or g.sampling.max_new_tokens
+    jobs = [Job(p.dataset, p.sample_id, p.messages, p.tools, ids,
+                reserve=reserve_out + (len(ids) if g.budget_counts == "total" else 0))
+            for p, ids in plan.pending]
+    random.Random(f"dispatch:{g.sampling.seed}").shuffle(jobs)  # a budget cut leaves a random subset
+    return jobs
+
+
+def _run_async(coro: Any) -> Any:
+    """Run a coroutine from plain Python or from inside a running loop (a notebook cell)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    import nest_asyncio
+
+    nest_asyncio.apply(loop)
+    return loop.run_until_complete(coro)
+
+
+def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, progress: bool):
+    from .backends.engine import Engine, EngineSettings
+
+    g = params.generate
+    if g.backend == "sglang":
+        from .backends.sglang import SGLangBackend
+
+        backend: Any = SGLangBackend(params, profile, tokenizer)
+        base_url, credit_poll = g.sglang.base_url, 1e9
+    else:
+        from .backends.openai_api import OpenAIBackend
+
+        backend = OpenAIBackend(params, profile)
+        base_url, credit_poll = g.openai.base_url, g.openai.credit_poll_s
+    settings = EngineSettings(
+        concurrency=g.concurrency, timeout_s=g.timeout_s, max_retries=g.max_retries,
+        max_rate_limit_retries=g.max_rate_limit_retries, retry_backoff_s=g.retry_backoff_s,
+        retry_backoff_max_s=g.retry_backoff_max_s, cost_cap_usd=g.cost_cap_usd, stop_grace_s=g.stop_grace_s,
+        budget_counts=g.budget_counts, ledger_interval_s=g.ledger_interval_s, credit_poll_s=credit_poll,
+        journal_fsync=g.journal_fsync, seed=g.sampling.seed)
+    run_dir = params.run_dir
+    extra = {"torn_tail_bytes_repaired": plan.torn_tail_bytes, "backend": g.backend}
+    engine = Engine(backend, _jobs(params, plan), base_url=base_url, settings=settings, ledger=plan.ledger,
+                    journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
+                    budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
+                    progress=progress)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum, frame):
+                loop.call_soon_threadsafe(engine.on_signal, signum)
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, handler)
+        try:
+            return await engine.run()
+        finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+    return _run_async(main())
+
+
+def run_generate(params: RunParams, *, progress: bool = True, model: Any = None, tokenizer: Any = None) -> GenerateSummary:
+    """Generate every pending sample of the run with the backend in params; journal as it goes."""
+    from .models import tokenizer_for
     from .provenance import write_provenance
 
-    if params.generate.backend != "local":
-        raise NotImplementedError(f"backend {params.generate.backend!r} is not available in this build")
     t0 = time.perf_counter()
     profile = get_profile(params.profile)
     tokenizer = tokenizer or tokenizer_for(params)
     run_dir = params.run_dir
     (run_dir / "records").mkdir(parents=True, exist_ok=True)
+    stop_file = run_dir / "STOP"
+    if stop_file.exists():
+        stop_file.unlink()
+        print(f"removed a STOP file left by an earlier run: {stop_file}", file=sys.stderr)
     write_provenance(run_dir, "01_generate", params)
-    sets = load_datasets(params)
+    plan = plan_run(params, tokenizer, profile)
+    _report_resume(plan, progress)
+    backend = params.generate.backend
+    write_ledger(run_dir, plan.ledger, "running",
+                 {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
+    if backend == "local":
+        new = _run_local(params, plan, profile, tokenizer, model, progress)
+        write_ledger(run_dir, plan.ledger, "finished", {"source": "local", "stop_reason": None,
+                                                        "torn_tail_bytes_repaired": plan.torn_tail_bytes})
+        return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, new,
+                               torn_tail_bytes=plan.torn_tail_bytes, responses=new)
+    if not plan.pending:
+        write_ledger(run_dir, plan.ledger, "finished", {"source": backend, "stop_reason": None})
+        return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, 0, torn_tail_bytes=plan.torn_tail_bytes)
+    try:
+        res = _run_http(params, plan, profile, tokenizer, progress)
+    except Exception as e:
+        from .backends.engine import GenerateError
 
-    ledger: dict[str, DatasetLedger] = {}
-    pending: list[tuple[Prompt, list[int]]] = []
-    for name, ps in sets.items():
-        led = ledger[name] = DatasetLedger(planned=len(ps.prompts), rejected_prompt_lines=ps.skipped)
-        scan = scan_journal(run_dir / "records" / f"{name}.jsonl", repair=True)
-        done = {record_key(r) for r in scan.records if r["finish_reason"] != "error" or not params.generate.retry_errors}
-        led.resumed = len(done)
-        led.done = sum(1 for r in scan.records if r["finish_reason"] != "error")
-        led.errors = len(scan.records) - led.done
-        for p in ps.prompts:
-            if (name, str(p.sample_id)) not in done:
-                pending.append((p, template_prompt(tokenizer, p, profile)))
-    write_ledger(run_dir, ledger, "running")
+        if isinstance(e, GenerateError):
+            write_ledger(run_dir, plan.ledger, "refused", {"source": backend, "stop_reason": str(e)})
+        raise
+    if res.stop_reason and progress:
+        print(f"generate {res.status}: {res.stop_reason}", file=sys.stderr)
+    return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, res.new_records, res.status,
+                           res.stop_reason, plan.torn_tail_bytes, res.responses)
 
-    new = 0
-    if pending:
-        model = model or model_for(params)
-        backend = LocalBackend(model, tokenizer, profile, params.generate.sampling, params.generate.batch_size)
-        # similar lengths together: less padding per batch
-        pending.sort(key=lambda x: len(x[1]))
-        journals: dict[str, Journal] = {}
-        bar = tqdm(total=len(pending), desc="generate", unit="sample", disable=not progress)
-        try:
-            bs = params.generate.batch_size
-            for i in range(0, len(pending), bs):
-                chunk = pending[i : i + bs]
-                results = backend.generate_batch([ids for _, ids in chunk])
-                for (p, ids), res in zip(chunk, results):
-                    rec = _local_record(params, p, ids, res, profile, tokenizer)
-                    j = journals.get(p.dataset) or journals.setdefault(
-                        p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
-                    j.write(rec)
-                    led = ledger[p.dataset]
-                    led.done += 1
-                    led.prompt_tokens += len(ids)
-                    led.completion_tokens += len(res["output_ids"])
-                    new += 1
-                bar.update(len(chunk))
-                write_ledger(run_dir, ledger, "running")
-        finally:
-            bar.close()
-            for j in journals.values():
-                j.close()
-    write_ledger(run_dir, ledger, "finished")
-    return GenerateSummary(run_dir, ledger, time.perf_counter() - t0, new)
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3data.generate PARAMS [-p KEY VALUE]...`: stage 01 without papermill."""
+    import argparse
+
+    from .backends.engine import GenerateError
+    from .params import ParamsError, load_params
+
+    ap = argparse.ArgumentParser(prog="python -m eagle3data.generate", description=main.__doc__)
+    ap.add_argument("params")
+    ap.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"))
+    ap.add_argument("--quiet", action="store_true", help="no progress line")
+    args = ap.parse_args(argv)
+    try:
+        params = load_params(args.params, dict(args.p or []))
+        s = run_generate(params, progress=not args.quiet)
+    except (ParamsError, GenerateError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(s.table().to_string())
+    print(f"{s.status}: {s.new_records} new records in {s.seconds:.1f} s"
+          + (f" ({s.stop_reason})" if s.stop_reason else ""))
+    return 0 if s.status == "finished" else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,511 @@
+"""The asyncio engine under the HTTP backends: bounded concurrency, retries, budgets, stop, journal.
+
+One `httpx.AsyncClient` (pooled keep-alive connections) sends requests built by a backend
+(`sglang.SGLangBackend`, `openai_api.OpenAIBackend`); at most `concurrency` requests are in
+flight. Jobs are dispatched in the order given (run_generate shuffles them with the seed).
+
+- Budget: a dataset stops dispatching when its done tokens plus the tokens reserved by its
+  requests in flight reach `token_budget`; the rest are listed as skipped. The run stops
+  dispatching when spent plus reserved cost (in flight x mean cost per response) reaches
+  `cost_cap_usd`.
+- Errors: 429 waits `Retry-After` (all requests pause); 408/5xx/connection errors/timeouts
+  retry with jittered exponential backoff, then become an error record; 402 (out of
+  credits) and 401/403 stop dispatching at once; a malformed body is an error record.
+- Stop: `request_stop` (signals, the `STOP` file, 402, cost cap) stops dispatching, waits up
+  to the grace period for requests in flight, then cancels them; a second signal cancels
+  at once. Cancelled samples are listed in the ledger and resent on resume.
+- Every completed response is appended to its dataset journal at once (one write per line),
+  and the ledger is rewritten every `ledger_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import random
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import httpx
+import orjson
+
+from ..ledger import DatasetLedger, write_ledger
+from ..records import Journal
+
+
+class GenerateError(RuntimeError):
+    """The run cannot start or must stop (server mismatch, no credit, bad key): the message says why."""
+
+
+class ResponseError(ValueError):
+    """A response body is malformed or truncated: the sample becomes an error record."""
+
+
+@dataclass
+class Job:
+    """One prompt to send: its dataset, id, prompt messages/tools and locally templated ids."""
+
+    dataset: str
+    sample_id: int | str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    reserve: int = 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.dataset, str(self.sample_id)
+
+
+class Backend(Protocol):
+    """What the engine needs from an HTTP backend."""
+
+    source: str
+    batch_size: int
+    path: str
+
+    def headers(self) -> dict[str, str]: ...
+
+    async def preflight(self, client: httpx.AsyncClient) -> dict[str, Any]: ...
+
+    async def credit(self, client: httpx.AsyncClient) -> float | None: ...
+
+    def build(self, jobs: Sequence[Job]) -> bytes: ...
+
+    def parse(self, jobs: Sequence[Job], body: bytes, latency_s: float) -> list[dict[str, Any]]: ...
+
+    def error_record(self, job: Job, message: str) -> dict[str, Any]: ...
+
+
+def record_dict(job: Job, *, source: str, model: str, profile: str, sampling: dict[str, Any],
+                **fields: Any) -> dict[str, Any]:
+    """A journal record (the `records.Record` schema) for one job, as a plain dict."""
+    rec: dict[str, Any] = {
+        "dataset": job.dataset, "sample_id": job.sample_id, "source": source, "model": model, "profile": profile,
+        "messages": job.messages, "tools": job.tools, "prompt_ids": job.prompt_ids, "output_ids": None,
+        "ids_exact": False, "reasoning": None, "content": None, "tool_calls": None, "finish_reason": "error",
+        "native_finish_reason": None, "usage": {"prompt_tokens": None, "completion_tokens": None,
+                                                "reasoning_tokens": None, "cached_tokens": None},
+        "cost_usd": None, "provider": None, "generation_id": None, "sampling": sampling, "latency_s": None,
+        "error": None, "created_at": time.time(),
+    }
+    rec.update(fields)
+    return rec
+
+
+class _StopDispatch(Exception):
+    """Raised by a request whose answer means no further request may be sent (402, 401, 403)."""
+
+
+@dataclass
+class EngineSettings:
+    """The knobs of one engine run (taken from GenerateParams by run_generate)."""
+
+    concurrency: int = 64
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    max_rate_limit_retries: int = 50
+    retry_backoff_s: float = 1.0
+    retry_backoff_max_s: float = 60.0
+    cost_cap_usd: float | None = None
+    stop_grace_s: float = 60.0
+    budget_counts: str = "total"
+    ledger_interval_s: float = 1.0
+    credit_poll_s: float = 30.0
+    journal_fsync: bool = False
+    seed: int = 0
+
+
+@dataclass
+class EngineResult:
+    """How an engine run ended."""
+
+    status: str  # finished | stopped | cancelled
+    stop_reason: str | None
+    new_records: int
+    responses: int
+    seconds: float
+    credit_left_usd: float | None = None
+    preflight: dict[str, Any] = field(default_factory=dict)
+
+
+def retry_after_seconds(value: str | None, default: float) -> float:
+    """Seconds to wait from a Retry-After header (delta seconds or HTTP date)."""
+    if not value:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError):
+        return default
+
+
+def error_message(body: bytes, limit: int = 300) -> str:
+    """The `error.message` of an error body, or the start of the body as text."""
+    try:
+        obj = orjson.loads(body)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:limit]
+        if isinstance(err, str):
+            return err[:limit]
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    return body[:limit].decode("utf-8", "replace")
+
+
+class Progress:
+    """A live one-line status: a display handle in a notebook, a carriage-return line in a terminal."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._handle = None
+        self._tty = sys.stderr.isatty()
+        self._last_print = 0.0
+        if not enabled:
+            return
+        try:
+            from IPython import get_ipython
+
+            ip = get_ipython()
+            if ip is not None and getattr(ip, "kernel", None) is not None:
+                from IPython.display import display
+
+                self._handle = display({"text/plain": "generate: starting"}, raw=True, display_id=True)
+        except ImportError:
+            pass
+
+    def update(self, line: str, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        if self._handle is not None:
+            self._handle.update({"text/plain": line}, raw=True)
+        elif self._tty:
+            sys.stderr.write("\r" + line.ljust(120)[:160] + ("\n" if final else ""))
+            sys.stderr.flush()
+        elif final or time.monotonic() - self._last_print > 10:
+            self._last_print = time.monotonic()
+            print(line, file=sys.stderr, flush=True)
+
+
+class Engine:
+    """Runs jobs through one backend; journals records and keeps the ledger while it runs."""
+
+    def __init__(self, backend: Backend, jobs: Sequence[Job], *, base_url: str, settings: EngineSettings,
+                 ledger: dict[str, DatasetLedger], journal_dir: Path, run_dir: Path, done_keys: set,
+                 budgets: dict[str, int | None], ledger_extra: Callable[[], dict] | None = None,
+                 progress: bool = True):
+        self.backend = backend
+        self.jobs = list(jobs)
+        self.base_url = base_url.rstrip("/")
+        self.s = settings
+        self.ledger = ledger
+        self.journal_dir = Path(journal_dir)
+        self.run_dir = Path(run_dir)
+        self.done_keys = done_keys
+        self.budgets = budgets
+        self.ledger_extra = ledger_extra or (lambda: {})
+        self.progress = Progress(progress)
+        self.rng = random.Random(settings.seed)
+        self.reserved: dict[str, int] = {k: 0 for k in ledger}
+        self.in_flight_requests = 0
+        self.stop_reason: str | None = None
+        self.stop_deadline: float | None = None
+        self.cancel_now = False
+        self.pause_until = 0.0
+        self.new_records = 0
+        self.responses = 0
+        self.duplicates = 0
+        self.credit_left: float | None = None
+        self._credit_spent_at_poll = 0.0
+        self._journals: dict[str, Journal] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._samples: deque[tuple[float, int, int]] = deque(maxlen=64)
+        self._t0 = time.monotonic()
+        self._tokens0 = sum(v.prompt_tokens + v.completion_tokens for v in ledger.values())
+        self._stop_file = self.run_dir / "STOP"
+
+    # -- control -------------------------------------------------------------------------
+    def request_stop(self, reason: str, *, grace: bool = True) -> None:
+        """Stop dispatching; with `grace`, cancel what is still in flight after stop_grace_s."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            if grace:
+                self.stop_deadline = time.monotonic() + self.s.stop_grace_s
+        elif grace and self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.s.stop_grace_s
+        self._wake.set()
+
+    def on_signal(self, signum: int) -> None:
+        """First signal: graceful stop; second: cancel everything in flight now."""
+        name = signal.Signals(signum).name
+        if self.stop_reason is not None and self.stop_deadline is not None:
+            self.cancel_now = True
+            self.stop_reason += f"; second {name}: cancelled in-flight requests"
+            for t in list(self._tasks):
+                t.cancel()
+        else:
+            self.request_stop(f"{name} received")
+        self._wake.set()
+
+    # -- accounting ----------------------------------------------------------------------
+    def _spent(self) -> float:
+        return sum(v.cost_usd for v in self.ledger.values())
+
+    def _mean_cost(self) -> float:
+        n = sum(v.done + v.errors for v in self.ledger.values())
+        return self._spent() / n if n else 0.0
+
+    def _budget_left(self, dataset: str) -> bool:
+        budget = self.budgets.get(dataset)
+        if budget is None:
+            return True
+        used = self.ledger[dataset].tokens(self.s.budget_counts) + self.reserved[dataset]
+        return used < budget
+
+    def _cost_left(self) -> bool:
+        cap = self.s.cost_cap_usd
+        if cap is None:
+            return True
+        return self._spent() + self.in_flight_requests * self._mean_cost() < cap
+
+    def _journal(self, dataset: str) -> Journal:
+        j = self._journals.get(dataset)
+        if j is None:
+            j = self._journals[dataset] = Journal(self.journal_dir / f"{dataset}.jsonl", fsync=self.s.journal_fsync)
+        return j
+
+    def _commit(self, job: Job, rec: dict[str, Any]) -> None:
+        """Journal one record unless its key is already done; count it."""
+        key = job.key
+        if key in self.done_keys:
+            self.duplicates += 1
+            return
+        self._journal(job.dataset).write(rec)
+        if rec.get("finish_reason") != "error":
+            self.done_keys.add(key)
+        self.ledger[job.dataset].add_record(rec)
+        self.new_records += 1
+
+    # -- requests ------------------------------------------------------------------------
+    async def _wait_pause(self) -> None:
+        while True:
+            delay = self.pause_until - time.monotonic()
+            if delay <= 0:
+                return
+            await asyncio.sleep(delay)
+
+    def _backoff(self, attempt: int) -> float:
+        base = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** (attempt - 1))
+        return base * self.rng.uniform(0.5, 1.5)
+
+    async def _send(self, client: httpx.AsyncClient, jobs: list[Job]) -> list[dict[str, Any]]:
+        """Send one request with retries; the records to journal (error records when it failed)."""
+        body = self.backend.build(jobs)
+        attempt = rate_limited = 0
+        while True:
+            await self._wait_pause()
+            t0 = time.perf_counter()
+            problem: str
+            try:
+                async with asyncio.timeout(self.s.timeout_s):
+                    resp = await client.post(self.backend.path, content=body)
+                status, data = resp.status_code, resp.content
+            except TimeoutError:
+                problem = f"timeout after {self.s.timeout_s:g} s"
+            except httpx.HTTPError as e:
+                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            else:
+                latency = time.perf_counter() - t0
+                if status == 200:
+                    try:
+                        return self.backend.parse(jobs, data, latency)
+                    except ResponseError as e:
+                        return [self.backend.error_record(j, f"malformed response: {e}") for j in jobs]
+                msg = error_message(data)
+                if status == 429:
+                    rate_limited += 1
+                    if rate_limited > self.s.max_rate_limit_retries:
+                        return [self.backend.error_record(j, f"HTTP 429 {rate_limited} times: {msg}") for j in jobs]
+                    wait = retry_after_seconds(resp.headers.get("retry-after"), self._backoff(rate_limited))
+                    self.pause_until = max(self.pause_until, time.monotonic() + wait)
+                    for j in jobs:
+                        self.ledger[j.dataset].retries += 1
+                    continue
+                if status == 402:
+                    raise _StopDispatch(f"HTTP 402 from the API (out of credits): {msg}")
+                if status in (401, 403):
+                    raise _StopDispatch(f"HTTP {status} from the API (key refused): {msg}")
+                if status == 408 or status >= 500:
+                    problem = f"HTTP {status}: {msg}"
+                else:
+                    return [self.backend.error_record(j, f"HTTP {status}: {msg}") for j in jobs]
+            attempt += 1
+            if attempt > self.s.max_retries:
+                return [self.backend.error_record(j, f"{problem} (after {attempt} attempts)") for j in jobs]
+            for j in jobs:
+                self.ledger[j.dataset].retries += 1
+            await asyncio.sleep(self._backoff(attempt))
+
+    async def _run_jobs(self, client: httpx.AsyncClient, jobs: list[Job]) -> None:
+        try:
+            records = await self._send(client, jobs)
+            self.responses += 1
+            for job, rec in zip(jobs, records):
+                self._commit(job, rec)
+        except asyncio.CancelledError:
+            for j in jobs:
+                led = self.ledger[j.dataset]
+                led.cancelled += 1
+                led.cancelled_ids.append(j.sample_id)
+            raise
+        except _StopDispatch as e:
+            self.request_stop(str(e), grace=False)
+            for j in jobs:
+                led = self.ledger[j.dataset]
+                led.skipped += 1
+                led.skipped_ids.append(j.sample_id)
+        finally:
+            for j in jobs:
+                self.reserved[j.dataset] -= j.reserve
+                self.ledger[j.dataset].in_flight -= 1
+            self.in_flight_requests -= 1
+            self._wake.set()
+
+    # -- loops ---------------------------------------------------------------------------
+    def _skip(self, job: Job) -> None:
+        led = self.ledger[job.dataset]
+        led.skipped += 1
+        led.skipped_ids.append(job.sample_id)
+
+    async def _dispatch(self, client: httpx.AsyncClient) -> None:
+        queue = deque(self.jobs)
+        bs = max(1, self.backend.batch_size)
+        while queue and self.stop_reason is None:
+            if self.in_flight_requests >= self.s.concurrency:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._wait_pause()
+            if self.stop_reason is not None:
+                break
+            if not self._cost_left():
+                self.request_stop(f"cost cap ${self.s.cost_cap_usd:g} reached (spent + reserved)", grace=False)
+                break
+            batch: list[Job] = []
+            while queue and len(batch) < bs:
+                job = queue.popleft()
+                if not self._budget_left(job.dataset):
+                    self.ledger[job.dataset].budget_reached = True
+                    self._skip(job)
+                    continue
+                self.reserved[job.dataset] += job.reserve
+                self.ledger[job.dataset].in_flight += 1
+                batch.append(job)
+            if not batch:
+                continue
+            self.in_flight_requests += 1
+            task = asyncio.create_task(self._run_jobs(client, batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            if len(self._tasks) % 256 == 0:
+                await asyncio.sleep(0)  # let responses in while a large first wave goes out
+        for job in queue:
+            self._skip(job)
+
+    def _status_line(self, final: bool = False) -> str:
+        now = time.monotonic()
+        done = sum(v.done for v in self.ledger.values())
+        planned = sum(v.planned for v in self.ledger.values())
+        errors = sum(v.errors for v in self.ledger.values())
+        tokens = sum(v.prompt_tokens + v.completion_tokens for v in self.ledger.values())
+        self._samples.append((now, self.responses, tokens))
+        t_old, r_old, k_old = self._samples[0]
+        for t, r, k in self._samples:  # a window of about 10 s
+            if now - t <= 10:
+                t_old, r_old, k_old = t, r, k
+                break
+        dt = max(1e-9, now - t_old)
+        rps = (self.responses - r_old) / dt if dt > 0.2 else 0.0
+        tps = (tokens - k_old) / dt if dt > 0.2 else 0.0
+        if final:  # whole-run averages (this session's responses)
+            dt = max(1e-9, now - self._t0)
+            rps, tps = self.responses / dt, (tokens - self._tokens0) / dt
+        spent = self._spent()
+        credit = "n/a"
+        if self.credit_left is not None:
+            credit = f"${self.credit_left - (spent - self._credit_spent_at_poll):,.2f}"
+        line = (f"generate {done:,}/{planned:,} done · {errors:,} err · {self.in_flight_requests:,} in flight · "
+                f"{rps:,.1f} req/s · {tps:,.0f} tok/s · ${spent:,.4f} · credit {credit}")
+        if self.stop_reason:
+            line += f" · stopping: {self.stop_reason}"
+        return line
+
+    def write_ledger(self, status: str) -> None:
+        extra = {"stop_reason": self.stop_reason, "source": self.backend.source,
+                 "duplicates_dropped": self.duplicates, "credit_left_usd": self.credit_left,
+                 **self.ledger_extra()}
+        write_ledger(self.run_dir, self.ledger, status, extra)
+
+    async def _tick(self, client: httpx.AsyncClient) -> None:
+        next_poll = time.monotonic() + self.s.credit_poll_s
+        while True:
+            await asyncio.sleep(self.s.ledger_interval_s)
+            if self._stop_file.exists() and self.stop_reason is None:
+                self.request_stop(f"STOP file {self._stop_file}")
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.s.credit_poll_s
+                try:
+                    c = await self.backend.credit(client)
+                except (httpx.HTTPError, GenerateError, ValueError):
+                    c = None
+                if c is not None:
+                    self.credit_left, self._credit_spent_at_poll = c, self._spent()
+            self.write_ledger("stopping" if self.stop_reason else "running")
+            self.progress.update(self._status_line())
+
+    async def run(self) -> EngineResult:
+        """Preflight the server, run every job, wait for (or cancel) what is in flight."""
+        limits = httpx.Limits(max_connections=self.s.concurrency, max_keepalive_connections=self.s.concurrency,
+                              keepalive_expiry=max(30.0, self.s.timeout_s))
+        timeout = httpx.Timeout(self.s.timeout_s, connect=min(self.s.timeout_s, 30.0), pool=None)
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout,
+                                     headers=self.backend.headers()) as client:
+            info = await self.backend.preflight(client)
+            self.credit_left = info.get("credit_left_usd")
+            self._credit_spent_at_poll = self._spent()
+            ticker = asyncio.create_task(self._tick(client))
+            try:
+                await self._dispatch(client)
+                while self._tasks:
+                    if self.cancel_now or (self.stop_deadline is not None and time.monotonic() >= self.stop_deadline):
+                        for t in list(self._tasks):
+                            t.cancel()
+                        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                ticker.cancel()
+                for t in list(self._tasks):
+                    t.cancel()
+                if self._tasks:
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                for j in self._journals.values():
+                    j.close()
+        cancelled = any(v.cancelled for v in self.ledger.values())
+        status = "finished" if self.stop_reason is None else ("cancelled" if cancelled else "stopped")
+        self.write_ledger(status)
+        self.progress.update(self._status_line(final=True), final=True)
+        return EngineResult(status, self.stop_reason, self.new_records, self.responses,
+                            time.monotonic() - t0, self.credit_left, info)

@@ -1,0 +1,125 @@
+"""The run ledger: per dataset, what was planned, done, failed, skipped, cancelled, and what it cost.
+
+`outputs/<run>/ledger.json` is rewritten atomically while 01_generate runs (so a crash
+leaves the last good copy) and read by 03_audit. At the end of a run, for every dataset,
+`done + errors + skipped + cancelled == planned` and `in_flight == 0`; the id lists say which
+samples were never sent (`skipped_ids`) and which were in flight when work was cut
+(`cancelled_ids`), so their lengths can be compared with the kept ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class DatasetLedger:
+    """Per-dataset counts: the damage assessment of a run, kept current while it runs."""
+
+    planned: int = 0
+    done: int = 0
+    errors: int = 0
+    skipped: int = 0
+    cancelled: int = 0
+    in_flight: int = 0
+    resumed: int = 0
+    retries: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    budget_tokens: int | None = None
+    budget_reached: bool = False
+    by_source: dict[str, dict[str, float]] = field(default_factory=dict)
+    by_provider: dict[str, dict[str, float]] = field(default_factory=dict)
+    skipped_ids: list[Any] = field(default_factory=list)
+    cancelled_ids: list[Any] = field(default_factory=list)
+    rejected_prompt_lines: list[str] = field(default_factory=list)
+
+    def add_record(self, rec: dict[str, Any]) -> None:
+        """Count one journaled record (done or error) into the totals and the breakdowns."""
+        usage = rec.get("usage") or {}
+        pt = int(usage.get("prompt_tokens") or 0)
+        ct = int(usage.get("completion_tokens") or 0)
+        cost = float(rec.get("cost_usd") or 0.0)
+        err = rec.get("finish_reason") == "error"
+        if err:
+            self.errors += 1
+        else:
+            self.done += 1
+        self.prompt_tokens += pt
+        self.completion_tokens += ct
+        self.cost_usd += cost
+        for key, book in ((rec.get("source") or "?", self.by_source), (rec.get("provider"), self.by_provider)):
+            if key is None:
+                continue
+            row = book.setdefault(key, {"done": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                                        "cost_usd": 0.0})
+            row["errors" if err else "done"] += 1
+            row["prompt_tokens"] += pt
+            row["completion_tokens"] += ct
+            row["cost_usd"] += cost
+
+    def remove_error(self, rec: dict[str, Any]) -> None:
+        """Take a journaled error record out of the counts (it is being retried)."""
+        self.errors -= 1
+        for key, book in ((rec.get("source") or "?", self.by_source), (rec.get("provider"), self.by_provider)):
+            if key is not None and key in book:
+                book[key]["errors"] -= 1
+
+    def tokens(self, counts: str = "total") -> int:
+        """Tokens counted against the budget: prompt+completion, or completion only."""
+        return self.completion_tokens + (self.prompt_tokens if counts == "total" else 0)
+
+    def adds_up(self) -> bool:
+        """True when every planned sample is accounted for exactly once."""
+        return self.done + self.errors + self.skipped + self.cancelled + self.in_flight == self.planned
+
+
+def write_ledger(run_dir: Path, ledger: dict[str, DatasetLedger], status: str, extra: dict | None = None) -> None:
+    """Write `ledger.json` atomically (write a temp file, then rename)."""
+    data: dict[str, Any] = {"status": status, "updated_at": time.time(),
+                            "datasets": {k: asdict(v) for k, v in ledger.items()}}
+    if extra:
+        data.update(extra)
+    tmp = Path(run_dir) / "ledger.json.tmp"
+    tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    tmp.replace(Path(run_dir) / "ledger.json")
+
+
+def read_ledger(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's ledger.json as a dict, or None when the run has none yet."""
+    p = Path(run_dir) / "ledger.json"
+    return orjson.loads(p.read_bytes()) if p.exists() else None
+
+
+def ledger_frame(ledger: dict[str, Any] | dict[str, DatasetLedger]):
+    """One row per dataset (planned, done, errors, skipped, cancelled, tokens, cost) as a DataFrame."""
+    import pandas as pd
+
+    datasets = ledger.get("datasets", ledger) if isinstance(ledger, dict) else ledger
+    cols = ("planned", "done", "resumed", "errors", "skipped", "cancelled", "in_flight", "retries",
+            "prompt_tokens", "completion_tokens", "cost_usd", "budget_tokens", "budget_reached")
+    rows = []
+    for name, v in datasets.items():
+        d = asdict(v) if isinstance(v, DatasetLedger) else v
+        rows.append({"dataset": name, **{c: d.get(c) for c in cols}})
+    return pd.DataFrame(rows).set_index("dataset")
+
+
+def provider_frame(ledger: dict[str, Any] | dict[str, DatasetLedger]):
+    """One row per (dataset, source or provider): done, errors, tokens, cost."""
+    import pandas as pd
+
+    datasets = ledger.get("datasets", ledger) if isinstance(ledger, dict) else ledger
+    rows = []
+    for name, v in datasets.items():
+        d = asdict(v) if isinstance(v, DatasetLedger) else v
+        for kind in ("by_source", "by_provider"):
+            for key, row in (d.get(kind) or {}).items():
+                rows.append({"dataset": name, "by": kind[3:], "name": key, **row})
+    return pd.DataFrame(rows)

@@ -1,0 +1,300 @@
+"""Loopback HTTP servers on 127.0.0.1 speaking SGLang `/generate` and OpenRouter `/chat/completions`.
+
+A raw asyncio HTTP/1.1 server (keep-alive, Content-Length bodies), cheap enough to answer
+thousands of requests per second on one core, so that it is never the bottleneck of the
+client under test. Responses wait a fixed `latency` (+ uniform `jitter`) on a timer, not a
+task. Faults are switchable per request: push names onto `server.faults` (consumed one per
+generation request) or set `server.always` to a fault name.
+
+Faults: `429` (with Retry-After), `402`, `401`, `500`, `slow` (answers after `slow_s`),
+`malformed` (200 with a body that is not JSON), `truncated` (Content-Length larger than
+what is sent, then close), `eot` (content already holds the end-of-turn text), `error200`
+(HTTP 200 with finish_reason "error"). A model mismatch is `LoopbackServer(model_path=...)`.
+
+Use in tests: `with LoopbackServer("openai") as srv: srv.base_url ...`. As a process (for the
+bench): `python tests/loopback.py --kind openai --latency 4 --port 0` prints `PORT <n>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import orjson
+
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 402: "Payment Required", 404: "Not Found",
+           408: "Request Timeout", 429: "Too Many Requests", 500: "Internal Server Error"}
+WORDS = ("the value of x is computed first then we check each case and compare the result with the "
+         "expected bound so the answer follows directly from the definition").split()
+
+
+def _text(rng: random.Random, nbytes: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < nbytes:
+        w = rng.choice(WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, server: "LoopbackServer"):
+        self.server = server
+        self.buf = b""
+        self.t: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            i = self.buf.find(b"\r\n\r\n")
+            if i < 0:
+                return
+            head = self.buf[:i].decode("latin-1").split("\r\n")
+            n = 0
+            for line in head[1:]:
+                k, _, v = line.partition(":")
+                if k.strip().lower() == "content-length":
+                    n = int(v.strip())
+            if len(self.buf) < i + 4 + n:
+                return
+            body = self.buf[i + 4: i + 4 + n]
+            self.buf = self.buf[i + 4 + n:]
+            method, path, _ = head[0].split(" ", 2)
+            self.server._handle(self, method, path.split("?", 1)[0], body)
+
+    def send(self, status: int, body: bytes, headers: dict[str, str] | None = None, truncate: bool = False) -> None:
+        t = self.t
+        if t is None or t.is_closing():
+            return
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n{extra}\r\n").encode()
+        if truncate:
+            t.write(head + body[: len(body) // 2])
+            t.close()
+        else:
+            t.write(head + body)
+
+
+class LoopbackServer:
+    """An SGLang-like (`kind="sglang"`) or OpenRouter-like (`kind="openai"`) server on a thread."""
+
+    def __init__(self, kind: str = "openai", *, latency: float = 0.0, jitter: float = 0.0, slow_s: float = 5.0,
+                 model_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct", credit: float | None = 100.0,
+                 price_per_token: float = 1e-6, body_bytes: tuple[int, int] = (200, 600), retry_after: str = "1",
+                 eot_id: int = 2, eot_text: str = "<|im_end|>", record: bool = True, seed: int = 0,
+                 api_key: str | None = None):
+        assert kind in ("openai", "sglang")
+        self.kind = kind
+        self.latency = latency
+        self.jitter = jitter
+        self.slow_s = slow_s
+        self.model_path = model_path
+        self.credit = credit
+        self.spent = 0.0
+        self.price = price_per_token
+        self.body_bytes = body_bytes
+        self.retry_after = retry_after
+        self.eot_id = eot_id
+        self.eot_text = eot_text
+        self.record = record
+        self.api_key = api_key
+        self.rng = random.Random(seed)
+        self.faults: deque[str] = deque()
+        self.always: str | None = None
+        self.requests: list[dict[str, Any]] = []
+        self.served = 0
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._bodies: list[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}" + ("/api/v1" if self.kind == "openai" else "")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def serve(self, port: int = 0) -> None:
+        """Start listening on the running loop (used by the thread and by the CLI)."""
+        self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(lambda: _Conn(self), "127.0.0.1", port, backlog=8192)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def start(self) -> "LoopbackServer":
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self.serve())
+            ready.set()
+            loop.run_forever()
+            self._server.close()
+            loop.run_until_complete(self._server.wait_closed())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"loopback-{self.kind}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "LoopbackServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- handling ----------------------------------------------------------------------------
+    def _delay(self) -> float:
+        return self.latency + (self.rng.uniform(0, self.jitter) if self.jitter else 0.0)
+
+    def _later(self, delay: float, fn: Any, *args: Any) -> None:
+        if delay <= 0:
+            fn(*args)
+        else:
+            self._loop.call_later(delay, fn, *args)
+
+    def _handle(self, conn: _Conn, method: str, path: str, body: bytes) -> None:
+        if path.startswith("/api/v1"):
+            path = path[len("/api/v1"):]
+        if path == "/health":
+            return conn.send(200, b"")
+        if path == "/get_model_info":
+            return conn.send(200, orjson.dumps({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                                "is_generation": True}))
+        if path == "/key":
+            rem = None if self.credit is None else round(self.credit - self.spent, 6)
+            return conn.send(200, orjson.dumps({"data": {"label": "loopback", "limit": self.credit,
+                                                         "usage": self.spent, "limit_remaining": rem}}))
+        if path not in ("/generate", "/chat/completions"):
+            return conn.send(404, b'{"error":{"code":404,"message":"no such path"}}')
+        fault = self.faults.popleft() if self.faults else self.always
+        req = None
+        if self.record or self._bodies is None:
+            try:
+                req = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                return conn.send(400, b'{"error":{"code":400,"message":"bad json"}}')
+        if self.record:
+            self.requests.append({"t": time.monotonic(), "path": path, "fault": fault, "body": req})
+        if fault == "429":
+            return conn.send(429, b'{"error":{"code":429,"message":"rate limited"}}', {"retry-after": self.retry_after})
+        if fault == "402":
+            return conn.send(402, b'{"error":{"code":402,"message":"Insufficient credits"}}')
+        if fault == "401":
+            return conn.send(401, b'{"error":{"code":401,"message":"No auth credentials found"}}')
+        if fault == "500":
+            return self._later(self._delay(), conn.send, 500, b'{"error":{"code":500,"message":"upstream failed"}}')
+        if fault == "slow":
+            return self._later(self.slow_s, conn.send, 200, self._answer(req, None))
+        if fault == "malformed":
+            return self._later(self._delay(), conn.send, 200, b'{"choices": [{"message": {"content": "ab')
+        self.served += 1
+        out = self._answer(req, fault)
+        self._later(self._delay(), conn.send, 200, out, None, fault == "truncated")
+
+    def _answer(self, req: dict[str, Any] | None, fault: str | None) -> bytes:
+        if self.kind == "sglang":
+            return self._sglang(req)
+        if self._bodies is not None and fault is None:
+            body = self._bodies[self.served % len(self._bodies)]
+            self.spent += 0.0005
+            return body
+        return self._openai(req, fault)
+
+    def _sglang(self, req: dict[str, Any]) -> bytes:
+        ids = req["input_ids"]
+        batch = bool(ids) and isinstance(ids[0], list)
+        sp = req.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 16))
+        out = []
+        for p in ids if batch else [ids]:
+            n = 3 + (len(p) + sum(p[-3:])) % 13  # deterministic per prompt
+            body = [100 + (len(p) * 7 + i * 31) % 4000 for i in range(n)] + [self.eot_id]
+            if len(body) > max_new:
+                body, fr = body[:max_new], {"type": "length", "length": max_new}
+            else:
+                fr = {"type": "stop", "matched": self.eot_id}
+            out.append({"text": "", "output_ids": body,
+                        "meta_info": {"id": f"rid-{self.rng.getrandbits(48):x}", "finish_reason": fr,
+                                      "prompt_tokens": len(p), "completion_tokens": len(body), "cached_tokens": 0,
+                                      "e2e_latency": self.latency}})
+        return orjson.dumps(out if batch else out[0])
+
+    def _openai(self, req: dict[str, Any] | None, fault: str | None) -> bytes:
+        lo, hi = self.body_bytes
+        size = self.rng.randint(lo, hi)
+        reasoning = _text(self.rng, size * 2 // 3)
+        content = _text(self.rng, size // 3)
+        if fault == "eot":
+            content += self.eot_text
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning": reasoning}
+        finish = "stop"
+        tools = (req or {}).get("tools")
+        if tools:
+            name = tools[0]["function"]["name"]
+            msg["tool_calls"] = [{"id": f"call_{self.rng.getrandbits(32):x}", "type": "function",
+                                  "function": {"name": name, "arguments": "{}"}}]
+            finish = "tool_calls"
+        prompt_chars = sum(len(m.get("content") or "") for m in (req or {}).get("messages", []))
+        pt, rt, ct = prompt_chars // 4 + 8, len(reasoning) // 4, (len(reasoning) + len(content)) // 4
+        cost = round((pt + ct) * self.price, 8)
+        self.spent += cost
+        choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish, "native_finish_reason": finish}
+        if fault == "error200":
+            choice.update(finish_reason="error", native_finish_reason="error",
+                          error={"code": 502, "message": "provider disconnected mid-stream"})
+        return orjson.dumps({
+            "id": f"gen-{self.rng.getrandbits(64):x}", "provider": "Loopback-int4", "model": (req or {}).get("model"),
+            "object": "chat.completion", "created": int(time.time()), "choices": [choice],
+            "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
+                      "completion_tokens_details": {"reasoning_tokens": rt},
+                      "prompt_tokens_details": {"cached_tokens": 0}, "cost": cost}})
+
+    def prebuild(self, n: int = 64) -> None:
+        """Answer from `n` prepared bodies (no request parsing): the cheapest server, for benchmarks."""
+        self._bodies = [self._openai({"messages": [{"role": "user", "content": "x" * 200}]}, None) for _ in range(n)]
+        self.record = False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="loopback SGLang/OpenRouter server")
+    ap.add_argument("--kind", default="openai", choices=["openai", "sglang"])
+    ap.add_argument("--latency", type=float, default=0.0)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--body-min", type=int, default=1024)
+    ap.add_argument("--body-max", type=int, default=8192)
+    args = ap.parse_args()
+    srv = LoopbackServer(args.kind, latency=args.latency, body_bytes=(args.body_min, args.body_max), record=False,
+                         credit=None)
+    if args.kind == "openai":
+        srv.prebuild()
+
+    async def run() -> None:
+        await srv.serve(args.port)
+        print(f"PORT {srv.port}", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
