@@ -421,6 +421,8 @@ def _run_settings(run_dir: Path) -> tuple[int, int, bool]:
     from .params import ExportParams
     from .profiles import get_profile
 
+    if not (run_dir / "records").is_dir():
+        raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
     export_params = ExportParams()
     prov = run_dir / "provenance" / "01_generate.json"
     if prov.exists():
