@@ -208,3 +208,21 @@ def test_cli_exports_and_reports(run_copy, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "eagle3data", "export", str(tmp_path / "nowhere"), "--format",
                           "speculators", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "no records/ folder" in bad.stderr
+
+
+def test_run_export_writes_both_formats_and_the_draft_vocab(ci_run, tmp_path):
+    """What notebook 05 calls: both formats under <run>/export/, one draft vocab, coverage figure."""
+    from eagle3data.export import run_export
+    from eagle3data.params import load_params
+
+    shutil.copytree(ci_run.run_dir, tmp_path / ci_run.run_name)
+    params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "export.draft_vocab_size": 40})
+    res = run_export(params)
+    out = tmp_path / ci_run.run_name / "export"
+    assert (out / "specforge" / "token_ids.jsonl").exists() and (out / "speculators" / "data.parquet").exists()
+    d2t, _ = load_draft_vocab(out / "draft_vocab.safetensors")
+    assert np.array_equal(d2t, load_draft_vocab(out / "specforge" / "draft_vocab.safetensors")[0])
+    assert len(d2t) == 40 and res.manifests["speculators"]["draft_vocab"]["coverage"] == res.vocab.coverage
+    assert res.table()["exported"].sum() == 4
+    assert set(res.files_table()["format"]) == {"specforge", "speculators"}
+    assert res.coverage_figure().axes

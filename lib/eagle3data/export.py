@@ -438,17 +438,70 @@ def _run_settings(run_dir: Path) -> tuple[int, int, bool]:
     return export_params.draft_vocab_size, get_profile(profile).vocab_size, export_params.include_failed
 
 
-def export_run(params: Any, out: str | Path | None = None, formats: Iterable[str] = FORMATS) -> dict[str, Any]:
-    """Export a run in each format into `<run>/export/<format>/` (or `out`); returns manifests by format."""
+@dataclass
+class ExportResult:
+    """What `run_export` wrote: the manifests per format, the selection, the draft vocabulary."""
+
+    out_dir: Path
+    manifests: dict[str, dict[str, Any]]
+    selection: Selection
+    counts: np.ndarray
+    vocab: DraftVocab
+
+    def table(self):
+        """Per dataset: exported samples, exact vs rebuilt ids, output tokens, skipped by reason."""
+        return self.selection.table()
+
+    def files_table(self):
+        """Every file written, with its size and what it holds."""
+        import pandas as pd
+
+        rows = []
+        for fmt, m in self.manifests.items():
+            for name, what in m["files"].items():
+                p = self.out_dir / fmt / name
+                size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+                rows.append({"format": fmt, "file": name, "bytes": size, "holds": what})
+        return pd.DataFrame(rows)
+
+    def coverage_figure(self, sizes: Iterable[int] | None = None):
+        """Coverage of output tokens against draft vocabulary size, the chosen size marked."""
+        import matplotlib.pyplot as plt
+
+        n = len(self.vocab.d2t)
+        top = max(n, int(self.vocab.distinct_output_tokens), 2)
+        sizes = sorted(set(sizes or np.unique(np.geomspace(1, top, 60).astype(int)).tolist()) | {n})
+        curve = coverage_curve(self.counts, sizes)
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(list(curve), [100 * v for v in curve.values()], color="tab:blue")
+        ax.axvline(n, color="tab:red", ls="--", label=f"draft vocab {n}: {100 * self.vocab.coverage:.2f}%")
+        ax.set_xscale("log")
+        ax.set_xlabel("draft vocabulary size (most frequent output tokens)")
+        ax.set_ylabel("output tokens covered (%)")
+        ax.set_ylim(0, 101)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        return fig
+
+
+def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] = FORMATS) -> ExportResult:
+    """Export a run in each format into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
     from .profiles import get_profile
+    from .provenance import write_provenance
 
     run_dir = params.run_dir
     out = Path(out) if out else run_dir / "export"
+    target = get_profile(params.profile).vocab_size
     sel = select_samples(run_dir, include_failed=params.export.include_failed)
-    return {fmt: export(run_dir, out / fmt, fmt, draft_vocab_size=params.export.draft_vocab_size,  # type: ignore[arg-type]
-                        target_vocab_size=get_profile(params.profile).vocab_size,
-                        include_failed=params.export.include_failed, selection=sel)
-            for fmt in formats}
+    manifests = {fmt: export(run_dir, out / fmt, fmt, draft_vocab_size=params.export.draft_vocab_size,  # type: ignore[arg-type]
+                             target_vocab_size=target, include_failed=params.export.include_failed, selection=sel)
+                 for fmt in formats}
+    counts = output_token_counts(sel.samples, target)
+    vocab = build_draft_vocab(counts, params.export.draft_vocab_size)
+    save_draft_vocab(vocab, out / "draft_vocab.safetensors")
+    write_provenance(run_dir, "05_export", params)
+    return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
 
 
 def export_cli(run: str, *, fmt: str, out: str) -> int:

@@ -1,0 +1,89 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: eagle3data
+#     language: python
+#     name: eagle3data
+# ---
+
+# %% [markdown]
+# # 05 · Export for drafter trainers
+# Writes the run in the forms SpecForge and vllm speculators take, plus the EAGLE-3 draft
+# vocabulary (`d2t` / `t2d`), and shows how much of the generated output that vocabulary covers.
+#
+# **Reads:** `outputs/<run>/records/*.jsonl`, `reconstruct/*.jsonl` (rebuilt ids of API
+# records, when stage 02 ran), `audit/verdicts.jsonl` (when stage 03 ran: only records that
+# passed go out unless `export.include_failed`).
+# **Writes:** `outputs/<run>/export/specforge/` (`conversations.jsonl`, `token_ids.jsonl`,
+# `vocab_mapping.pt`), `export/speculators/` (`data.parquet`, `token_freq.pt`, `d2t.npy`,
+# `t2d.npy`), `export/draft_vocab.safetensors`, a `manifest.json` per format,
+# `provenance/05_export.json`.
+# **Parameters:** `params_file` (a YAML under `params/`), `overrides` (dotted keys, as
+# `-p key value` on the CLI); the stage's own keys live under `export:` (`draft_vocab_size`,
+# `include_failed`). See `docs/05_export.md` for the hand-off to each trainer.
+
+# %%
+from eagle3data.export import run_export
+from eagle3data.params import load_params, params_for_display
+
+# %% tags=["parameters"]
+params_file = "params/embedded.yaml"
+overrides = {}
+
+# %%
+P = load_params(params_file, overrides)
+print("run folder:", P.run_dir)
+params_for_display(P)["export"]
+
+# %% [markdown]
+# ## 1. Export both formats and the draft vocabulary
+
+# %%
+result = run_export(P)
+print("written to", result.out_dir)
+
+# %% [markdown]
+# ## 2. What went out, per dataset (exact vs rebuilt ids), and what was skipped and why
+# Skip reasons: `error` / `abort` (no complete response), `no_ids` (API record that stage 02
+# has not rebuilt), `no_verdict` (the audit has no verdict for it), `failed_audit`.
+
+# %%
+result.table()
+
+# %% [markdown]
+# ## 3. Files for each trainer
+
+# %%
+result.files_table()
+
+# %% [markdown]
+# ## 4. Draft vocabulary coverage
+# Share of generated output tokens (loss mask 1) whose id is in the draft vocabulary. When the
+# outputs hold fewer distinct ids than the size, the rest is filled with the smallest unused ids.
+
+# %%
+result.vocab.summary()
+
+# %%
+fig = result.coverage_figure()
+
+# %% [markdown]
+# ## Figures recorded for tests and the report
+
+# %%
+figures = {
+    "exported": result.manifests["specforge"]["exported"],
+    "ids_exact": result.manifests["specforge"]["ids_exact"],
+    "ids_rebuilt": result.manifests["specforge"]["ids_rebuilt"],
+    "skipped": result.manifests["specforge"]["skipped"],
+    "output_tokens": result.vocab.output_tokens,
+    "draft_vocab_size": len(result.vocab.d2t),
+    "draft_vocab_coverage": round(result.vocab.coverage, 6),
+    "draft_vocab_filled": result.vocab.filled,
+}
+figures
