@@ -340,16 +340,6 @@ def _write_parquet(path: Path, samples: list[Sample]) -> None:
     pq.write_table(table, path)
 
 
-def _save_to_disk(folder: Path, samples: list[Sample]) -> bool:
-    """A Hugging Face `datasets` folder (what speculators' prepare_data writes), if `datasets` is installed."""
-    try:
-        from datasets import Dataset
-    except ImportError:
-        return False
-    Dataset.from_list([s.token_record() | {"sample_id": str(s.sample_id)} for s in samples]).save_to_disk(str(folder))
-    return True
-
-
 def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_size: int,
            target_vocab_size: int, include_failed: bool = False,
            selection: Selection | None = None) -> dict[str, Any]:
@@ -379,8 +369,6 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_siz
 
         _write_parquet(out / "data.parquet", sel.samples)
         files["data.parquet"] = "token-level records (input_ids, loss_mask + metadata columns): exact ids"
-        if _save_to_disk(out / "dataset", sel.samples):
-            files["dataset/"] = "Hugging Face datasets folder (load_from_disk), columns input_ids, loss_mask + metadata"
         nz = np.flatnonzero(counts)
         torch.save({int(i): int(counts[i]) for i in nz}, out / "token_freq.pt")
         files["token_freq.pt"] = "torch dict {token_id: count} of output tokens (loss_mask 1)"
