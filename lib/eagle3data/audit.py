@@ -850,6 +850,19 @@ class AuditResult:
         t.insert(0, "what", [CHECKS[c].what for c in t.index])
         return t
 
+    def check_matrix(self) -> pd.DataFrame:
+        """Wide view: one row per (dataset, source, provider), one column per applicable check."""
+        ct = self.check_table()
+        ct = ct[ct["check"].isin([c.name for c in iter_checks(self.profile)])]
+        short = np.where(ct["failed"] > 0, "FAIL " + ct["failed"].astype(str) + "/" + ct["applicable"].astype(str),
+                         np.where(ct["applicable"] > 0, "0/" + ct["applicable"].astype(str) + " (<"
+                                  + (ct["upper95"] * 100).round(1).astype(str) + "%)",
+                                  np.where(ct["not_run"] > 0, "not run", "n/a")))
+        ct = ct.assign(cell=short)
+        wide = ct.pivot_table(index=["dataset", "source", "provider"], columns="check", values="cell",
+                              aggfunc="first", sort=False)
+        return wide[[c for c in CHECK_NAMES if c in wide.columns]]
+
     def group_table(self) -> pd.DataFrame:
         """Per (dataset, source, provider): records, truncated, records with any failure."""
         keys = self.group_keys()

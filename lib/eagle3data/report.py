@@ -6,7 +6,11 @@ embedded (nbconvert's HTML exporter inlines PNG outputs), so the file stands alo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
+
+SECRET_KEY = re.compile(r"(api_?key|secret|token|password|authorization)(?!_env)", re.I)
 
 
 def notebook_to_html(nb_path: str | Path, html_path: str | Path, *, exclude_input: bool = False) -> Path:
@@ -29,3 +33,44 @@ def render_report(run_dir: str | Path) -> Path:
     if not src.exists():
         raise FileNotFoundError(f"no executed audit notebook at {src}: run stage 03 first")
     return notebook_to_html(src, run_dir / "report.html", exclude_input=True)
+
+
+def redact(obj: Any) -> Any:
+    """Params as plain data with any secret-looking value replaced (params hold none by design)."""
+    if isinstance(obj, dict):
+        return {k: ("***" if SECRET_KEY.search(str(k)) and not str(k).endswith("_env") and isinstance(v, str)
+                    else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+class HTMLBlock:
+    """A piece of HTML that Jupyter (and so the report) displays as is."""
+
+    def __init__(self, html: str):
+        self.html = html
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+
+def show_table(df: Any, css_class: str = "audit-table", *, caption: str | None = None) -> HTMLBlock:
+    """A DataFrame as an HTML table with a CSS class (the report's check table is `check-table`)."""
+    if df is None or len(df) == 0:
+        return HTMLBlock(f"<p><i>{caption or 'table'}: nothing to show</i></p>")
+    body = df.to_html(classes=css_class, na_rep="", float_format=lambda x: f"{x:.4g}", border=0)
+    cap = f"<p><b>{caption}</b></p>" if caption else ""
+    return HTMLBlock(cap + body)
+
+
+def params_html(params: Any) -> HTMLBlock:
+    """The run's params as an indented YAML block (secrets redacted)."""
+    import html
+
+    import yaml
+
+    from .params import params_for_display
+
+    text = yaml.safe_dump(redact(params_for_display(params)), sort_keys=False, allow_unicode=True)
+    return HTMLBlock(f'<pre style="font-size:12px;background:#f6f8fa;padding:6px">{html.escape(text)}</pre>')

@@ -1,0 +1,160 @@
+"""Audit plots (matplotlib): lengths, where the special tokens sit, finish reasons, budget bias.
+
+Each function takes an `AuditResult` (or a table from it) and returns a Figure with a
+readable title, axis units and a legend, so it reads the same in JupyterLab and in the
+report (where nbconvert embeds it as a PNG).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+def _plt():
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colors(names: list[str]) -> dict[str, Any]:
+    cmap = _plt().get_cmap("tab10")
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
+def length_distributions(result: Any) -> Any:
+    """Token-length distributions per dataset: prompt, reasoning (reasoning profiles), answer."""
+    plt = _plt()
+    df = result.lengths()
+    parts = ["prompt"] + (["reasoning"] if result.profile.is_reasoning else []) + ["answer"]
+    fig, axes = plt.subplots(1, len(parts), figsize=(4.6 * len(parts), 3.6), squeeze=False)
+    datasets = sorted(df["dataset"].unique())
+    col = _colors(datasets)
+    for ax, part in zip(axes[0], parts):
+        vals = [df.loc[df["dataset"] == d, part].dropna().to_numpy() for d in datasets]
+        allv = np.concatenate(vals) if vals else np.zeros(0)
+        if len(allv) == 0:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        else:
+            hi = max(1.0, float(allv.max()))
+            bins = np.linspace(0, hi, 30)
+            for d, v in zip(datasets, vals):
+                if len(v):
+                    ax.hist(v, bins=bins, histtype="step", linewidth=1.6, color=col[d], label=f"{d} (n={len(v)})")
+        ax.set_title(f"{part} length")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("records")
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Token lengths per dataset")
+    fig.tight_layout()
+    return fig
+
+
+def special_positions(result: Any) -> Any:
+    """Where the special tokens sit: reasoning-close and end-of-turn position against output length.
+
+    Points on the diagonal end the output; tool-call sections are drawn as vertical bars
+    from their begin to end position; failing records are circled in red.
+    """
+    plt = _plt()
+    df = result.lengths()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    datasets = sorted(df["dataset"].unique())
+    col = _colors(datasets)
+    L = df["output"].to_numpy()
+    hi = max(1, int(L.max()) if len(L) else 1)
+    ax.plot([0, hi], [0, hi], color="0.8", linewidth=1, zorder=0, label="output end (y = length)")
+    for d in datasets:
+        s = df[df["dataset"] == d]
+        ax.scatter(s["output"], s["eot_pos"], marker="s", s=14, color=col[d], alpha=0.8, label=f"{d}: end-of-turn")
+        if result.profile.is_reasoning:
+            ax.scatter(s["output"], s["close_pos"], marker="^", s=18, facecolors="none", edgecolors=col[d],
+                       label=f"{d}: reasoning-close")
+    sec = result.positions.tool_sections
+    if len(sec):
+        Lrec = result.table.output_len
+        x = Lrec[sec["record"].to_numpy()]
+        ax.vlines(x, sec["begin"], sec["end"], color="black", linewidth=2.5, label="tool-call section")
+    failed = (result.status.to_numpy() == 1).any(axis=1)[result.table.has_output]
+    if failed.any():
+        f = df[failed]
+        ax.scatter(f["output"], f["eot_pos"].fillna(f["output"]), s=90, facecolors="none", edgecolors="red",
+                   linewidths=1.5, label="record with a failed check")
+    ax.set_xlabel("output length (tokens)")
+    ax.set_ylabel("position in the output (token index)")
+    ax.set_title("Where the special tokens sit in each output")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def finish_reasons(result: Any) -> Any:
+    """Finish reasons per dataset (stacked bars: stop, length, abort, error)."""
+    plt = _plt()
+    m = result.meta
+    tab = pd.crosstab(m["dataset"], m["finish_reason"])
+    order = [c for c in ("stop", "length", "abort", "error") if c in tab.columns] + \
+        [c for c in tab.columns if c not in ("stop", "length", "abort", "error")]
+    tab = tab[order]
+    colors = {"stop": "tab:green", "length": "tab:orange", "abort": "tab:purple", "error": "tab:red"}
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(tab) + 1.8))
+    left = np.zeros(len(tab))
+    for c in tab.columns:
+        ax.barh(tab.index, tab[c], left=left, color=colors.get(c, "0.5"), label=c)
+        left += tab[c].to_numpy()
+    ax.set_xlabel("records")
+    ax.set_title("Finish reasons per dataset (length = truncated, not broken)")
+    ax.legend(title="finish_reason", fontsize=8)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def prompt_length_bias(groups: pd.DataFrame | None) -> Any:
+    """Prompt lengths of done vs. skipped vs. cancelled samples: a biased budget cut shows here."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    if groups is None or len(groups) == 0:
+        ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
+    else:
+        colors = {"done": "tab:blue", "skipped": "tab:orange", "cancelled": "tab:red"}
+        hi = max(1.0, float(groups["prompt_tokens"].max()))
+        bins = np.linspace(0, hi, 30)
+        for g, s in groups.groupby("group"):
+            ax.hist(s["prompt_tokens"], bins=bins, histtype="step", linewidth=1.8, density=True,
+                    color=colors.get(g, "0.4"), label=f"{g} (n={len(s)}, median {s['prompt_tokens'].median():.0f})")
+        if set(groups["group"]) == {"done"}:
+            ax.set_title("Prompt lengths of done samples (nothing skipped or cancelled)")
+        else:
+            ax.set_title("Prompt lengths: done vs. skipped vs. cancelled")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("share of samples (density)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def check_failures(result: Any) -> Any:
+    """Failures per check and dataset (only checks that failed somewhere; a clean run says so)."""
+    plt = _plt()
+    st = result.status
+    fails = (st.to_numpy() == 1)
+    df = pd.DataFrame(fails, columns=st.columns)
+    df["dataset"] = result.meta["dataset"].astype(str).to_numpy()
+    tab = df.groupby("dataset").sum()
+    tab = tab.loc[:, tab.sum() > 0]
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    if tab.shape[1] == 0:
+        ax.text(0.5, 0.5, f"no check failed on {len(st)} records", ha="center", va="center",
+                transform=ax.transAxes, fontsize=12)
+        ax.set_axis_off()
+    else:
+        tab.T.plot.barh(stacked=True, ax=ax)
+        ax.set_xlabel("failed records")
+        ax.legend(title="dataset", fontsize=7)
+    ax.set_title("Failed records per check")
+    fig.tight_layout()
+    return fig
