@@ -77,8 +77,8 @@ plots.prompt_length_bias(result.skipped_lengths);
 # `records_for_0.1%` is how many records would bound it below 0.1 %.
 
 # %%
-show_table(result.check_summary()[["what", "applicable", "failed", "not_applicable", "not_run", "upper95",
-                                   "records_for_0.1%", "more_needed", "verdict"]], "check-table")
+show_table(result.check_summary()[["verdict", "applicable", "failed", "not_applicable", "not_run", "upper95",
+                                   "records_for_0.1%", "more_needed", "what"]], "check-table")
 
 # %% [markdown]
 # Per dataset × source × provider: records, truncated, errors and records with any failure, then

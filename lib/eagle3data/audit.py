@@ -724,8 +724,6 @@ def _body_spans(ids: np.ndarray, profile: Profile, pos: Positions, i: int) -> tu
 def tokenizer_checks(table: IdTable, profile: Profile, tokenizer: Any, pos: Positions, *,
                      roundtrip: bool = True, progress: bool = False) -> dict[str, np.ndarray]:
     """Checks that need the tokenizer: prompt text, re-templating, roundtrip, text fields."""
-    from tqdm.auto import tqdm
-
     from .prompts import Prompt, template_prompt
 
     n = len(table)
@@ -736,7 +734,12 @@ def tokenizer_checks(table: IdTable, profile: Profile, tokenizer: Any, pos: Posi
     usable_out = table.has_output & ((fr == "stop") | (fr == "length"))
     msgs_all = table.messages or [None] * n
     tools_all = table.tools or [None] * n
-    for i in tqdm(range(n), desc="tokenizer checks", unit="record", disable=not progress):
+    rows: Iterable[int] = range(n)
+    if progress:
+        from tqdm.auto import tqdm
+
+        rows = tqdm(rows, desc="tokenizer checks", unit="record")
+    for i in rows:
         msgs, tools = msgs_all[i], tools_all[i]
         if table.has_prompt[i]:
             pids = [int(t) for t in table.prompt_ids(i)]
@@ -839,8 +842,9 @@ class AuditResult:
         agg["fail_rate"] = np.where(agg["applicable"] > 0, agg["failed"] / agg["applicable"].clip(lower=1), np.nan)
         agg["upper95"] = [upper95(f, a) for f, a in zip(agg["failed"], agg["applicable"])]
         need = math.ceil(3 / TARGET_RATE)
-        agg["records_for_0.1%"] = np.where(agg["failed"] == 0, need, np.nan)
-        agg["more_needed"] = np.where(agg["failed"] == 0, np.maximum(0, need - agg["applicable"]), np.nan)
+        clean = (agg["failed"] == 0) & (agg["applicable"] > 0)
+        agg["records_for_0.1%"] = np.where(clean, need, np.nan)
+        agg["more_needed"] = np.where(clean, np.maximum(0, need - agg["applicable"]), np.nan)
         agg["verdict"] = [_verdict(r) for r in agg.itertuples()]
         return agg
 
@@ -984,7 +988,7 @@ def _verdict(r: Any) -> str:
         return "n/a"
     if r.failed:
         return f"FAIL {r.failed}/{r.applicable}"
-    return f"0/{r.applicable} (rate < {r.upper95:.2%} at 95%)"
+    return f"0/{r.applicable} (< {r.upper95:.2%})"
 
 
 def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,

@@ -157,8 +157,8 @@ def inspect_record(result: AuditResult, dataset: str | None = None, sample_id: A
         "token boundaries; hover for position and id)</summary>"
         + f'<div style="{_BOX}">' + _token_spans(oids, tokenizer, specials, start=len(pids), limit=limit)
         + "</div></details>"
-        + "<details><summary><b>Special-token positions</b></summary>" + pos_html + "</details>"
-        + "<details><summary><b>Full templated sequence</b> (grey = prompt, loss mask 0; yellow = trained "
+        + "<details open><summary><b>Special-token positions</b></summary>" + pos_html + "</details>"
+        + "<details open><summary><b>Full templated sequence</b> (grey = prompt, loss mask 0; yellow = trained "
         "span, loss mask 1)</summary>"
         + f'<div style="{_BOX}">' + _token_spans(full, tokenizer, specials, mask=mask, limit=limit)
         + "</div></details>"

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.I)
 SECRET_KEY = re.compile(r"(api_?key|secret|token|password|authorization)(?!_env)", re.I)
 
 
@@ -32,7 +33,12 @@ def render_report(run_dir: str | Path) -> Path:
     src = run_dir / "notebooks" / "03_audit.ipynb"
     if not src.exists():
         raise FileNotFoundError(f"no executed audit notebook at {src}: run stage 03 first")
-    return notebook_to_html(src, run_dir / "report.html", exclude_input=True)
+    out = notebook_to_html(src, run_dir / "report.html", exclude_input=True)
+    text = out.read_text(encoding="utf-8")
+    # self-contained: drop the template's CDN scripts (require.js, MathJax); the report needs neither
+    text = EXTERNAL_SCRIPT.sub("", text)
+    out.write_text(text, encoding="utf-8")
+    return out
 
 
 def redact(obj: Any) -> Any:
@@ -73,4 +79,4 @@ def params_html(params: Any) -> HTMLBlock:
     from .params import params_for_display
 
     text = yaml.safe_dump(redact(params_for_display(params)), sort_keys=False, allow_unicode=True)
-    return HTMLBlock(f'<pre style="font-size:12px;background:#f6f8fa;padding:6px">{html.escape(text)}</pre>')
+    return HTMLBlock(f'<pre style="font-size:12px;background:#f6f8fa;padding:6px;max-height:22em;overflow:auto">{html.escape(text)}</pre>')
