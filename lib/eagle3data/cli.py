@@ -16,9 +16,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden"]
+STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden", "05_export"]
 STAGE_ALIASES = {s.split("_", 1)[0]: s for s in STAGES} | {s.split("_", 1)[1]: s for s in STAGES} | {
     "hidden": "04_extract_hidden", "extract": "04_extract_hidden"}
+# stages that need the hidden-state pass; `hidden.enabled: false` leaves them out of a full run
+HIDDEN_STAGES = {"04_extract_hidden"}
 
 
 def resolve_stage(name: str) -> str:
@@ -63,8 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     stages = [resolve_stage(s) for s in args.only] if args.only else list(STAGES)
-    if not params.hidden.enabled and "04_extract_hidden" in stages and not args.only:
-        stages.remove("04_extract_hidden")
+    if not params.hidden.enabled and not args.only:
+        stages = [s for s in stages if s not in HIDDEN_STAGES]
     run_dir = params.run_dir
     nb_dir = run_dir / "notebooks"
     print(f"run {params.run_name!r} -> {run_dir}")
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"),
                    help="override a param by dotted key, e.g. -p generate.sampling.max_new_tokens 64")
     r.add_argument("--only", action="append", metavar="STAGE",
-                   help="run only this stage (01/generate, 02, 03, 04); repeatable")
+                   help="run only this stage (01/generate, 02, 03, 04, 05/export); repeatable")
     r.set_defaults(func=cmd_run)
 
     a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")
