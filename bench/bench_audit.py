@@ -1,0 +1,163 @@
+"""Benchmark 03_audit against a straightforward audit script, in the same run.
+
+1. Structural checks on ids already in memory (synthetic Kimi-profile records, 200-8,000
+   output tokens): tokens/s of `audit_table` (goal >= 100M tokens/s on 2 cores), and the
+   same checks written as Python list operations per record (the baseline).
+2. End to end from a JSONL journal (parse + all id checks): `read_journal` + `audit_table`
+   against `json.loads` per line + the per-record list checks (goal >= 5x).
+
+Writes `outputs/bench/audit.json`. Run: `.venv/bin/python bench/bench_audit.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "lib"))
+
+from eagle3data.audit import audit_table, read_journal  # noqa: E402
+from eagle3data.profiles import KIMI_K25  # noqa: E402
+from eagle3data.synthetic import synthetic_id_table, synthetic_records  # noqa: E402
+
+P = KIMI_K25
+EOT, GUARD = P.end_of_turn.id, P.guard.id
+OPEN, CLOSE = P.reasoning_open.id, P.reasoning_close.id
+TC = P.tool_calls
+SB, SE, CB, AB, CE = TC.section_begin.id, TC.section_end.id, TC.call_begin.id, TC.argument_begin.id, TC.call_end.id
+TOOL = {SB, SE, CB, AB, CE}
+NEXT = {None: {SB}, SB: {CB}, CB: {AB}, AB: {CE}, CE: {CB, SE}, SE: {SB}}
+
+
+def naive_checks(records: list[dict]) -> list[list[str]]:
+    """The ad-hoc audit script: Python list operations per record."""
+    seen, outputs, fails = set(), {}, []
+    for r in records:
+        ids, f = r["output_ids"], []
+        trunc = r["finish_reason"] == "length"
+        if not trunc and not (ids and (ids[-1] == EOT or (ids[-1] == GUARD and len(ids) > 1 and ids[-2] == EOT))):
+            f.append("ends_with_eot")
+        n_eot, n_close = ids.count(EOT), ids.count(CLOSE)
+        if n_eot != (0 if trunc else 1):
+            f.append("single_eot")
+        if n_close != 1 and not (trunc and n_close == 0):
+            f.append("single_close")
+        if n_close and n_eot and ids.index(CLOSE) > ids.index(EOT):
+            f.append("close_before_eot")
+        if OPEN in ids:
+            f.append("no_open")
+        if n_close and ids.index(CLOSE) == 0:
+            f.append("reasoning_nonempty")
+        if n_close and not trunc:
+            end = ids.index(EOT) if n_eot else len(ids)
+            if end - ids.index(CLOSE) - 1 <= 0:
+                f.append("answer_nonempty")
+        prev, ok = None, True
+        close_at = ids.index(CLOSE) if n_close else -1
+        for j, t in enumerate(ids):
+            if t in TOOL:
+                ok &= t in NEXT[prev]
+                prev = t
+                if j < close_at:
+                    f.append("tool_inside_reasoning")
+        if not ok or (prev not in (None, SE) and not trunc):
+            f.append("tool_calls_balanced")
+        if min(ids) < 0 or max(ids) >= P.vocab_size:
+            f.append("ids_in_vocab")
+        key = (r["dataset"], str(r["sample_id"]))
+        if key in seen:
+            f.append("unique_sample_id")
+        seen.add(key)
+        outputs.setdefault(tuple(ids), set()).add(tuple(r["prompt_ids"]))
+        fails.append(f)
+    return fails
+
+
+def best_of(fn, k: int = 3) -> float:
+    times = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    out_dir = REPO / "outputs" / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = out_dir / "audit_tmp"
+    work.mkdir(exist_ok=True)
+    figures: dict = {"cpus": os.cpu_count(), "profile": P.name, "output_lengths": "log-uniform 200-8000"}
+
+    # 1. in memory
+    n_mem = int(os.environ.get("BENCH_AUDIT_RECORDS", 30000))
+    t0 = time.perf_counter()
+    table = synthetic_id_table(n_mem, seed=0)
+    tokens = int(len(table.output))
+    print(f"in memory: {n_mem} records, {tokens / 1e6:.1f}M output tokens (built in {time.perf_counter() - t0:.1f} s)")
+    res = audit_table(table, P)
+    assert not any(res.failed_lists()), "synthetic records must be clean"
+    t_vec = best_of(lambda: audit_table(table, P))
+    sub = 1500  # the baseline on a slice of the same records, per token
+    lists = [{"dataset": "synthetic", "sample_id": i, "finish_reason": "stop",
+              "output_ids": table.output_ids(i).tolist(), "prompt_ids": table.prompt_ids(i).tolist()}
+             for i in range(sub)]
+    sub_tokens = sum(len(r["output_ids"]) for r in lists)
+    t_base = best_of(lambda: naive_checks(lists), 2)
+    vec_tps, base_tps = tokens / t_vec, sub_tokens / t_base
+    figures["in_memory"] = {
+        "records": n_mem, "output_tokens": tokens, "seconds": round(t_vec, 4),
+        "tokens_per_s": round(vec_tps), "baseline_tokens_per_s": round(base_tps),
+        "speedup_vs_python_lists": round(vec_tps / base_tps, 1),
+        "goal_tokens_per_s": 100_000_000, "goal_met": bool(vec_tps >= 1e8)}
+    print(f"  vectorized {vec_tps / 1e6:.0f}M tok/s, python lists {base_tps / 1e6:.1f}M tok/s "
+          f"({vec_tps / base_tps:.0f}x)")
+    del table, res
+
+    # 2. end to end from a JSONL journal
+    n_j = int(os.environ.get("BENCH_AUDIT_JOURNAL_RECORDS", 2500))
+    t0 = time.perf_counter()
+    recs = synthetic_records(n_j, seed=1, tool_share=0.25)
+    path = work / "journal.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
+    j_tokens = sum(len(r["output_ids"]) for r in recs)
+    mb = path.stat().st_size / 2**20
+    del recs
+    print(f"journal: {n_j} records, {j_tokens / 1e6:.1f}M output tokens, {mb:.0f} MiB "
+          f"(built in {time.perf_counter() - t0:.1f} s)")
+
+    def ours():
+        t = read_journal(path)
+        return audit_table(t, P)
+
+    def baseline():
+        with open(path, encoding="utf-8") as f:
+            rs = [json.loads(line) for line in f]
+        return naive_checks(rs)
+
+    r = ours()
+    assert len(r.meta) == n_j and not any(r.failed_lists())
+    assert not any(baseline())
+    t_ours = best_of(ours, 3)
+    t_naive = best_of(baseline, 2)
+    figures["end_to_end_jsonl"] = {
+        "records": n_j, "output_tokens": j_tokens, "file_mib": round(mb, 1),
+        "seconds": round(t_ours, 3), "baseline_seconds": round(t_naive, 3),
+        "tokens_per_s": round(j_tokens / t_ours), "baseline_tokens_per_s": round(j_tokens / t_naive),
+        "speedup": round(t_naive / t_ours, 1), "goal_speedup": 5.0, "goal_met": bool(t_naive / t_ours >= 5)}
+    print(f"  ours {t_ours:.2f} s, json.loads + lists {t_naive:.2f} s ({t_naive / t_ours:.1f}x)")
+    path.unlink()
+    work.rmdir()
+    (out_dir / "audit.json").write_text(json.dumps(figures, indent=2))
+    print(f"wrote {out_dir / 'audit.json'}")
+
+
+if __name__ == "__main__":
+    main()
