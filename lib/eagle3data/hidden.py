@@ -606,10 +606,12 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
                         writer.add(s, pos, states[r, : len(s.input_ids)].clone())
                         stats["extracted"] += 1
                         stats["tokens"] += len(s.input_ids)
+                        if max_new_shards is not None and len(writer.written) >= max_new_shards:
+                            stats["stopped_early"] = True
+                            break
                     del states
                     bar.update(sum(len(seqs[i]) for i in b))
-                    if max_new_shards is not None and len(writer.written) >= max_new_shards:
-                        stats["stopped_early"] = True
+                    if stats["stopped_early"]:
                         break
                 if not stats["stopped_early"]:
                     writer.flush()
