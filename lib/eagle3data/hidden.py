@@ -127,20 +127,28 @@ class Capture:
         self.close()
 
 
+MAX_PAD_SHARE = 0.2  # a batch whose padding would pass this share of its size is closed first
+
+
 def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Group sequence indices by similar length so that rows x longest <= batch_tokens; longest first.
 
-    A sequence longer than the budget goes alone. Longest batches come first so that an
-    out-of-memory shows in the first minute, not the last.
+    Sequences are taken shortest first; a batch is closed when the next one would pass the
+    token budget or make padding more than MAX_PAD_SHARE of the batch. A sequence longer than
+    the budget goes alone. Longest batches come first so that an out-of-memory shows in the
+    first minute, not the last.
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     batches: list[list[int]] = []
     cur: list[int] = []
+    real = 0
     for i in order:
-        if cur and lengths[i] * (len(cur) + 1) > batch_tokens:
+        padded = lengths[i] * (len(cur) + 1)
+        if cur and (padded > batch_tokens or 1 - (real + lengths[i]) / padded > MAX_PAD_SHARE):
             batches.append(cur)
-            cur = []
+            cur, real = [], 0
         cur.append(i)
+        real += lengths[i]
     if cur:
         batches.append(cur)
     return batches[::-1]

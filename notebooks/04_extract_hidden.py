@@ -1,0 +1,109 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: eagle3data
+#     language: python
+#     name: eagle3data
+# ---
+
+# %% [markdown]
+# # 04 · Extract hidden states
+# Builds the training mix, then stores the target's EAGLE-3 states for every token of every
+# mix sample: the outputs of three decoder layers (profile rule) and the final normed state.
+#
+# **Reads:** `outputs/<run>/records/*.jsonl` (01), `reconstruct/<dataset>.jsonl` (02, rebuilt ids of
+# API records), `audit/verdicts.jsonl` (03; when absent no audit filter is applied, and the
+# manifest says so). **Writes:** `outputs/<run>/hidden/` (or `hidden.out_dir`): `mix.parquet`,
+# `mix_manifest.json`, `shards/*.safetensors`, `index.parquet`, `index.json`;
+# `provenance/04_extract_hidden.json`. **Parameters:** `params_file` (a YAML under `params/`),
+# `overrides` (dotted keys, as `-p key value` on the CLI); the stage's settings are the
+# `hidden:` section. Resumable: finished shards are kept. Several GPUs: `docs/04_extract_hidden.md`.
+
+# %%
+from eagle3data.hidden import HiddenReader, estimate, layer_plan, load_extract_model, run_extract
+from eagle3data.mix import build_mix
+from eagle3data.params import load_params, params_for_display
+
+# %% tags=["parameters"]
+params_file = "params/embedded.yaml"
+overrides = {}
+
+# %%
+P = load_params(params_file, overrides)
+print("run folder:", P.run_dir)
+params_for_display(P)["hidden"]
+
+# %% [markdown]
+# ## 1. Training mix: what goes in, what is dropped and why
+
+# %%
+mix = build_mix(P)
+print(mix.manifest["audit_note"])
+mix.table()
+
+# %%
+mix.dropped_table()
+
+# %% [markdown]
+# ## 2. Layers captured (both conventions name the same tensors)
+
+# %%
+model = load_extract_model(P)
+layers = layer_plan(P, model.config)
+print(f"{layers.num_layers} decoder layers: HF hidden_states index {list(layers.hf_indices)} "
+      f"= outputs of layers {list(layers.layer_outputs)}, then the final normed state")
+
+# %% [markdown]
+# ## 3. Size and time estimate (the run refuses to start if the disk lacks room)
+
+# %%
+est = estimate(P, model=model)
+est.table()
+
+# %% [markdown]
+# ## 4. Extract (resumes: samples in finished shards are skipped)
+
+# %%
+res = run_extract(P, model=model, mix=mix)
+res.stats_table()
+
+# %% [markdown]
+# ## 5. Sequences beyond the model's context (skipped, never truncated)
+
+# %%
+res.too_long_table()
+
+# %% [markdown]
+# ## 6. Stored per dataset
+
+# %%
+res.table()
+
+# %% [markdown]
+# ## 7. Validation: shapes, NaN/Inf, ids and mask equal to the source records, coverage
+
+# %%
+res.validation.summary() if res.validation else f"not merged yet: {res.waiting_for} samples of other workers missing"
+
+# %%
+res.validation.table() if res.validation else None
+
+# %% [markdown]
+# ## 8. Reading one sample back (what a trainer does)
+
+# %%
+reader = HiddenReader(res.hidden_dir)
+one = reader.sample(0)
+{k: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v for k, v in one.items()}
+
+# %% [markdown]
+# ## Figures recorded for tests and the report
+
+# %%
+figures = res.figures()
+figures
