@@ -100,8 +100,23 @@ def resolve_model_path(path: str) -> Path:
     return p
 
 
+SYNTHETIC_PREFIX = "synthetic:"
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, profile: Any = None) -> Any:
-    """Load a tokenizer from a local folder (or `embedded:NAME`); check it against the profile."""
+    """Load a tokenizer from a local folder (or `embedded:NAME`); check it against the profile.
+
+    `synthetic:PROFILE` is the deterministic stand-in vocabulary of `synthetic.py` on the
+    profile's real special ids, for fixture runs of a model whose tokenizer is not here (Kimi).
+    """
+    if path.startswith(SYNTHETIC_PREFIX):
+        from .profiles import get_profile
+        from .synthetic import SyntheticTokenizer
+
+        tok = SyntheticTokenizer(get_profile(path[len(SYNTHETIC_PREFIX):]))
+        if profile is not None:
+            profile.check_tokenizer(tok)
+        return tok
     _quiet_transformers()
     from transformers import AutoTokenizer
 
