@@ -67,6 +67,8 @@ class GenerateSummary:
     stop_reason: str | None = None
     torn_tail_bytes: dict[str, int] = field(default_factory=dict)
     responses: int = 0
+    engine_seconds: float = 0.0
+    engine_cpu_s: float = 0.0
 
     def table(self):
         """One row per dataset: planned, done, resumed, errors, skipped, cancelled, tokens, cost."""
@@ -310,7 +312,7 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     if res.stop_reason and progress:
         print(f"generate {res.status}: {res.stop_reason}", file=sys.stderr)
     return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, res.new_records, res.status,
-                           res.stop_reason, plan.torn_tail_bytes, res.responses)
+                           res.stop_reason, plan.torn_tail_bytes, res.responses, res.seconds, res.cpu_s)
 
 
 def main(argv: list[str] | None = None) -> int:
