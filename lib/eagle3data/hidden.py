@@ -24,7 +24,6 @@ every sample stored merges the one index (`merge_index` does it on demand).
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -32,10 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import orjson
 
-from .mix import Mix, Sample, build_mix, hidden_dir, read_mix, sample_key, source_sequences
+from .mix import Mix, Sample, build_mix, hidden_dir, read_mix, sample_key, source_sequences, tmp_tag
 from .params import RunParams
 from .profiles import AuxLayers, get_profile
 
@@ -677,7 +675,7 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
 
     hdir = hidden_dir(params)
     mix = mix or read_mix(hdir)
-    config = config or load_config(params)
+    config = config if config is not None else load_config(params)
     layers = layer_plan(params, config)
     max_ctx = params.model.max_context or int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
     want = {s.key: (i, s) for i, s in enumerate(mix.samples)}
@@ -704,7 +702,7 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
     cols = ["dataset", "sample_id", "source", "ids_exact", "position", "shard", "offset", "length", "loss_tokens"]
     df = pd.DataFrame(sorted(rows.values(), key=lambda r: r["position"]), columns=cols)
     df = df.astype({"position": "int64", "offset": "int64", "length": "int64", "loss_tokens": "int64"})
-    tag = f".tmp{os.getpid()}"
+    tag = tmp_tag()
     pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(hdir / INDEX_FILE) + tag)
     os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)
     hsize = int(text_config(config).hidden_size)

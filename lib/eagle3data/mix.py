@@ -315,6 +315,13 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
     }
 
 
+def tmp_tag() -> str:
+    """A temp-file suffix unique to this process on this host (workers on a shared disk write the same files)."""
+    import socket
+
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
 def write_mix(mix: Mix, out_dir: Path) -> Path:
     """Write `mix.parquet` and `mix_manifest.json` atomically (safe when several workers write the same mix)."""
     import pyarrow as pa
@@ -330,7 +337,7 @@ def write_mix(mix: Mix, out_dir: Path) -> Path:
         "input_ids": pa.array([s.input_ids for s in mix.samples], pa.list_(pa.int32())),
         "loss_mask": pa.array([s.loss_mask for s in mix.samples], pa.list_(pa.uint8())),
     })
-    tag = f".tmp{os.getpid()}"
+    tag = tmp_tag()
     path = out_dir / MIX_FILE
     pq.write_table(table, str(path) + tag)
     os.replace(str(path) + tag, path)
