@@ -37,9 +37,7 @@ import orjson
 
 from ..ledger import DatasetLedger, write_ledger
 from ..records import Journal
-
-
-SHARD_SIZE = 4  # connections per pooled client (httpcore's pool costs O(n^2) per request in its size)
+from .transport import LeanTransport
 
 
 class GenerateError(RuntimeError):
@@ -482,22 +480,15 @@ class Engine:
 
     async def run(self) -> EngineResult:
         """Preflight the server, run every job, wait for (or cancel) what is in flight."""
-        # httpcore's pool scans its connections several times per request (O(n^2) at 2,000 in flight),
-        # so the connections are spread over shards of SHARD_SIZE, each its own pooled client (one TLS
-        # context shared by all); every request in flight owns a slot of one shard.
-        n_shards = -(-self.s.concurrency // SHARD_SIZE)
-        per_shard = -(-self.s.concurrency // n_shards)
-        limits = httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard,
-                              keepalive_expiry=max(30.0, self.s.timeout_s))
+        # One client; its transport keeps a free list of connections (httpcore's pool rescans all of
+        # its connections several times per request: O(n^2) CPU at 2,000 in flight).
         timeout = httpx.Timeout(self.s.timeout_s, connect=min(self.s.timeout_s, 30.0), pool=None)
-        tls = httpx.create_ssl_context()
-        self._slots = deque(i % n_shards for i in range(self.s.concurrency))
+        self._slots = deque([0] * self.s.concurrency)
         t0 = time.monotonic()
         cpu0 = time.process_time()
         async with contextlib.AsyncExitStack() as stack:
             self._clients = [await stack.enter_async_context(httpx.AsyncClient(
-                base_url=self.base_url, limits=limits, timeout=timeout, headers=self.backend.headers(), verify=tls))
-                for _ in range(n_shards)]
+                base_url=self.base_url, timeout=timeout, headers=self.backend.headers(), transport=LeanTransport()))]
             client = self._clients[0]
             info = await self.backend.preflight(client)
             self.credit_left = info.get("credit_left_usd")
