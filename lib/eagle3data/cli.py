@@ -8,11 +8,13 @@ calls; a notebook opened in JupyterLab runs the same code.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,6 +34,29 @@ def resolve_stage(name: str) -> str:
     raise SystemExit(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
+# Lines the kernel process prints on every start that say nothing about the run.
+KERNEL_NOISE = ("Kernel is running over TCP without encryption",)
+
+
+@contextmanager
+def _kernel_stderr_filtered() -> Iterator[None]:
+    """Hold back the kernel's start-up warning; pass every other stderr line through."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(n in line for n in KERNEL_NOISE):
+                    sys.stderr.write(line)
+
+
 def execute_notebook(stage: str, params_file: Path, overrides: dict[str, str], out_dir: Path) -> Path:
     """Run one stage notebook through papermill; save the executed copy and its HTML."""
     import papermill as pm
@@ -43,11 +68,12 @@ def execute_notebook(stage: str, params_file: Path, overrides: dict[str, str], o
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / f"{stage}.ipynb"
     try:
-        pm.execute_notebook(
-            str(src), str(dst),
-            parameters={"params_file": str(params_file), "overrides": overrides},
-            kernel_name="python3", cwd=str(repo_root()), progress_bar=False, log_output=False,
-        )
+        with _kernel_stderr_filtered():
+            pm.execute_notebook(
+                str(src), str(dst),
+                parameters={"params_file": str(params_file), "overrides": overrides},
+                kernel_name="python3", cwd=str(repo_root()), progress_bar=False, log_output=False,
+            )
     finally:
         if dst.exists():
             notebook_to_html(dst, dst.with_suffix(".html"))
