@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model run test test-fast bench lab notebooks golden clean
+.PHONY: help install model run test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ lab: model ## start JupyterLab on the registered eagle3data kernel, opening note
 
 notebooks: $(STAMP) ## regenerate notebooks/*.ipynb from their jupytext .py sources (outputs stripped)
 	$(BIN)/jupytext --to ipynb notebooks/[0-9]*.py notebooks/_template.py
+
+golden: model ## re-execute the nbval golden notebooks (tests/golden/) on the fixture runs; read the diff before committing
+	$(BIN)/python tests/golden/refresh.py
 
 clean: ## remove outputs (keeps the venv and the model cache)
 	find outputs -mindepth 1 ! -name README.md -exec rm -rf {} +

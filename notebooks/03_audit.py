@@ -66,7 +66,7 @@ params_html(P)
 show_table(ledger_table(result.ledger), "ledger-table")
 
 # %%
-plots.prompt_length_bias(result.skipped_lengths);
+plots.prompt_length_bias(result.skipped_lengths)
 
 # %% [markdown]
 # ## 3. Checks: honest numbers
@@ -97,16 +97,16 @@ show_table(result.check_matrix(), "check-matrix")
 # section inside reasoning); finish reasons per dataset; failures per check.
 
 # %%
-plots.length_distributions(result);
+plots.length_distributions(result)
 
 # %%
-plots.special_positions(result);
+plots.special_positions(result)
 
 # %%
-plots.finish_reasons(result);
+plots.finish_reasons(result)
 
 # %%
-plots.check_failures(result);
+plots.check_failures(result)
 
 # %% [markdown]
 # ## 5. Inspector

@@ -70,7 +70,7 @@ result.files_table()
 result.vocab.summary()
 
 # %%
-fig = result.coverage_figure()
+result.coverage_figure()
 
 # %% [markdown]
 # ## Figures recorded for tests and the report

@@ -34,3 +34,13 @@ def ci_run(tmp_path_factory):
     params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root)})
     run_generate(params, progress=False)
     return params
+
+
+def pytest_sessionstart(session):
+    """Fresh copies of the committed fixture runs for the nbval golden notebooks (tests/golden/)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("golden_refresh", REPO / "tests" / "golden" / "refresh.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.reset_fixture_runs()

@@ -470,6 +470,7 @@ class ExportResult:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
         fig.tight_layout()
+        plt.close(fig)  # shown once, as the cell's value (not again by the inline backend)
         return fig
 
 

@@ -19,6 +19,16 @@ def _plt():
     return plt
 
 
+def _finished(fig: Any) -> Any:
+    """Close the figure in pyplot and return it: the notebook shows it once, as the cell's value.
+
+    Left open, the inline backend would also flush it at the end of some later cell, which makes
+    the number of images a cell shows depend on the kernel (nbval compares it).
+    """
+    _plt().close(fig)
+    return fig
+
+
 def _colors(names: list[str]) -> dict[str, Any]:
     cmap = _plt().get_cmap("tab10")
     return {n: cmap(i % 10) for i, n in enumerate(names)}
@@ -49,7 +59,7 @@ def length_distributions(result: Any) -> Any:
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.suptitle("Token lengths per dataset")
     fig.tight_layout()
-    return fig
+    return _finished(fig)
 
 
 def special_positions(result: Any) -> Any:
@@ -87,7 +97,7 @@ def special_positions(result: Any) -> Any:
     ax.set_title("Where the special tokens sit in each output")
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
-    return fig
+    return _finished(fig)
 
 
 def finish_reasons(result: Any) -> Any:
@@ -109,7 +119,7 @@ def finish_reasons(result: Any) -> Any:
     ax.legend(title="finish_reason", fontsize=8)
     ax.invert_yaxis()
     fig.tight_layout()
-    return fig
+    return _finished(fig)
 
 
 def prompt_length_bias(groups: pd.DataFrame | None) -> Any:
@@ -134,7 +144,7 @@ def prompt_length_bias(groups: pd.DataFrame | None) -> Any:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    return fig
+    return _finished(fig)
 
 
 def check_failures(result: Any) -> Any:
@@ -157,4 +167,4 @@ def check_failures(result: Any) -> Any:
         ax.legend(title="dataset", fontsize=7)
     ax.set_title("Failed records per check")
     fig.tight_layout()
-    return fig
+    return _finished(fig)

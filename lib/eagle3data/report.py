@@ -60,6 +60,9 @@ class HTMLBlock:
     def _repr_html_(self) -> str:
         return self.html
 
+    def __repr__(self) -> str:  # the text/plain twin of the HTML: stable, so nbval compares only the HTML
+        return "<HTML block>"
+
 
 def show_table(df: Any, css_class: str = "audit-table", *, caption: str | None = None) -> HTMLBlock:
     """A DataFrame as an HTML table with a CSS class (the report's check table is `check-table`)."""

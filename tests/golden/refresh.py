@@ -16,31 +16,42 @@ from pathlib import Path
 import papermill as pm
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO / "tests" / "fixtures" / "runs" / "nbval"
-PARAMS = "tests/fixtures/nbval.yaml"
+FIXTURES = REPO / "tests" / "fixtures"
 GOLDEN = REPO / "tests" / "golden"
-STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden", "05_export"]
+# golden notebook -> (stage notebook, params file); executed in this order (each stage reads the last)
+GOLDENS = {
+    "01_generate": ("01_generate", "tests/fixtures/nbval.yaml"),
+    "02_reconstruct": ("02_reconstruct", "tests/fixtures/nbval.yaml"),
+    "03_audit": ("03_audit", "tests/fixtures/nbval.yaml"),
+    "03_audit_kimi": ("03_audit", "tests/fixtures/kimi_synthetic.yaml"),
+    "04_extract_hidden": ("04_extract_hidden", "tests/fixtures/nbval.yaml"),
+    "05_export": ("05_export", "tests/fixtures/nbval.yaml"),
+}
 
 
-def reset_fixture_run() -> Path:
-    """A fresh copy of the fixture run at outputs/.nbval/nbval (what the notebooks read)."""
+def reset_fixture_runs() -> list[Path]:
+    """Fresh copies of the committed fixture runs under outputs/.nbval/ (what the notebooks read)."""
     from eagle3data.params import load_params
 
-    run_dir = load_params(REPO / PARAMS).run_dir
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    shutil.copytree(FIXTURE, run_dir)
-    return run_dir
+    out = []
+    for params_file in sorted({p for _, p in GOLDENS.values()}):
+        params = load_params(REPO / params_file)
+        src = FIXTURES / "runs" / params.run_name
+        if params.run_dir.exists():
+            shutil.rmtree(params.run_dir)
+        shutil.copytree(src, params.run_dir)
+        out.append(params.run_dir)
+    return out
 
 
-def main(stages: list[str]) -> None:
-    reset_fixture_run()
-    for stage in STAGES:
-        if stages and stage not in stages:
+def main(names: list[str]) -> None:
+    reset_fixture_runs()
+    for name, (stage, params_file) in GOLDENS.items():
+        if names and name not in names:
             continue
-        print(f"golden {stage}")
-        pm.execute_notebook(str(REPO / "notebooks" / f"{stage}.ipynb"), str(GOLDEN / f"{stage}.ipynb"),
-                            parameters={"params_file": PARAMS, "overrides": {}}, kernel_name="python3",
+        print(f"golden {name}")
+        pm.execute_notebook(str(REPO / "notebooks" / f"{stage}.ipynb"), str(GOLDEN / f"{name}.ipynb"),
+                            parameters={"params_file": params_file, "overrides": {}}, kernel_name="python3",
                             cwd=str(REPO), progress_bar=False)
 
 
