@@ -13,8 +13,8 @@ profile) and not run (the check needs a tokenizer that was not given).
 
 from __future__ import annotations
 
-import io
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from itertools import chain
@@ -147,14 +147,14 @@ def _flat(lists: Sequence[Any], where: Callable[[int], str], name: str) -> tuple
     lens = np.fromiter((len(x) if x is not None else 0 for x in lists), dtype=np.int64, count=len(lists))
     off = np.zeros(len(lists) + 1, dtype=np.int64)
     np.cumsum(lens, out=off[1:])
+    for i, x in enumerate(lists):  # fromiter alone would truncate 1.5 to 1 and take true as 1
+        if x is not None and (not isinstance(x, list) or not all(type(t) is int for t in x)):
+            raise AuditInputError(f"{where(i)}: field `{name}` must be a list of integer ids or null")
     try:
         flat = np.fromiter(chain.from_iterable(x for x in lists if x), dtype=np.int64, count=int(off[-1]))
-    except (TypeError, ValueError, OverflowError):
-        for i, x in enumerate(lists):
-            if x is not None and (not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                                      for t in x)):
-                raise AuditInputError(f"{where(i)}: field `{name}` must be a list of integer ids or null") from None
-        raise
+    except OverflowError:
+        i = next(i for i, x in enumerate(lists) if x and not all(-2**63 <= t < 2**63 for t in x))
+        raise AuditInputError(f"{where(i)}: field `{name}` holds an id beyond 64-bit integers") from None
     return flat, off, has
 
 
@@ -207,29 +207,255 @@ def _read_orjson(path: Path, data: bytes, source_fields: bool) -> IdTable:
     return t
 
 
-def _read_arrow(path: Path, data: bytes) -> IdTable | None:
-    """Columnar read with pyarrow's JSON reader; None when the file needs the line parser."""
-    import pyarrow as pa
-    import pyarrow.json as pj
+# --------------------------------------------------------------------------- fast JSONL reader
+#
+# A journal line is mostly its two id lists. Materialising them as Python ints is what makes
+# `json.loads` (and orjson) slow, so the fast reader cuts each top-level `"prompt_ids":[...]` /
+# `"output_ids":[...]` out of the line, parses the rest of the line with orjson (metadata and
+# text fields) and all the cut list texts of the file at once with numpy. Whatever it cannot
+# prove it read exactly goes through orjson as a whole line, which is the reference reader.
 
-    first = data[: data.find(b"\n")]
+_ID_KEYS = ("prompt_ids", "output_ids")
+_ID_PATTERNS = tuple(b'"' + k.encode() + b'":[' for k in _ID_KEYS)
+_LUT_MAX = 1 << 22
+
+
+@dataclass
+class _Cuts:
+    """The id lists of one key cut out of the lines: per cut record its index and list text."""
+
+    rec: list[int] = field(default_factory=list)
+    text: list[bytes] = field(default_factory=list)
+
+
+def _printed_width(vals: np.ndarray) -> np.ndarray:
+    """Digits of each non-negative value; 0 from 10**18 up, where fromstring may saturate."""
+    if len(vals) == 0:
+        return np.zeros(0, np.int8)
+    hi = int(vals.max())
+    if hi < _LUT_MAX:
+        width = np.ones(hi + 1, np.int8)
+        k = 10
+        while k <= hi:
+            width[k:] += 1
+            k *= 10
+        return width[vals]
+    width = np.ones(len(vals), np.int8)
+    k = 10
+    while k < 10**18:
+        width += vals >= k
+        k *= 10
+    width[vals >= 10**18] = 0
+    return width
+
+
+def _parse_cuts(cuts: _Cuts, redo: set[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(record index, value count, flat values) of the cut lists; records whose text is not exact go to `redo`.
+
+    Only lists written with digits and commas alone are taken (a sign, space or anything else
+    goes to orjson). numpy's text parser reads each; each value takes at least its printed
+    width and each comma a byte, so widths plus commas add up to the text's length only when
+    every value was written canonically (no leading zero, empty or trailing element, no
+    saturated overflow): then the parse read every byte as orjson would have.
+    """
+    m = len(cuts.rec)
+    rec = np.asarray(cuts.rec, dtype=np.int64)
+    counts = np.zeros(m, np.int64)
+    tlen = np.zeros(m, np.int64)
+    parts, unread = [], []
+    for j, text in enumerate(cuts.text):
+        if len(text):
+            if text.translate(None, b"0123456789,"):  # a sign, space or anything else: orjson decides
+                unread.append(j)
+                continue
+            try:
+                v = np.fromstring(text, dtype=np.int64, sep=",")  # text mode: not deprecated
+            except ValueError:
+                unread.append(j)
+                continue
+            parts.append(v)
+            counts[j] = len(v)
+            tlen[j] = len(text)
+    vals = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    rows = np.flatnonzero(counts)
+    ok = counts == 0
+    if len(rows):
+        width = _printed_width(vals)
+        # each value takes at least its width and each comma a byte, so equal totals mean
+        # equality for every list; only when they differ is it worth finding which
+        if int(width.sum(dtype=np.int64)) + int(counts.sum()) - len(rows) == int(tlen[rows].sum()):
+            ok[rows] = True
+        else:
+            start = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(counts[rows], out=start[1:])
+            ws = np.array([width[a:b].sum(dtype=np.int64) for a, b in zip(start[:-1], start[1:])], np.int64)
+            ok[rows] = ws + counts[rows] - 1 == tlen[rows]
+    ok &= (counts > 0) | (tlen == 0)
+    ok[unread] = False
+    if not ok.all():
+        redo.update(rec[~ok].tolist())
+        vals = vals[np.repeat(ok, counts)]
+        counts[~ok] = 0
+    return rec, counts, vals
+
+
+def _flat_ids(n: int, parsed: tuple[np.ndarray, np.ndarray, np.ndarray], other: dict[int, Any], drop: set[int],
+              where: Callable[[int], str], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat ids, offsets and presence for n records from cut lists (`parsed`) and orjson values (`other`)."""
+    rec, counts, vals = parsed
+    if drop or other:
+        gone = np.isin(rec, np.fromiter(drop | set(other), np.int64, count=len(drop | set(other))))
+        if gone.any():
+            vals = vals[~np.repeat(gone, counts)]
+            rec, counts = rec[~gone], counts[~gone]
+    has = np.zeros(n, bool)
+    lens = np.zeros(n, np.int64)
+    has[rec] = True
+    lens[rec] = counts
+    lists: dict[int, list] = {}
+    for i, v in other.items():
+        if v is None:
+            continue
+        if not isinstance(v, list) or not all(type(t) is int for t in v):
+            raise AuditInputError(f"{where(i)}: field `{name}` must be a list of integer ids or null")
+        has[i] = True
+        lens[i] = len(v)
+        if v:
+            lists[i] = v
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    if not lists:
+        return vals, off, has
+    flat = np.empty(int(off[-1]), np.int64)
+    src = np.zeros(len(rec) + 1, np.int64)
+    np.cumsum(counts, out=src[1:])
+    for k, i in enumerate(rec.tolist()):
+        flat[off[i] : off[i + 1]] = vals[src[k] : src[k + 1]]
+    for i, v in lists.items():
+        try:
+            flat[off[i] : off[i + 1]] = v
+        except OverflowError:
+            raise AuditInputError(f"{where(i)}: field `{name}` holds an id beyond 64-bit integers") from None
+    return flat, off, has
+
+
+def _line_object(text: bytes | memoryview, where: str) -> tuple[dict | None, str | None]:
+    """orjson reading of one whole line: (object, None) or (None, why the line is bad)."""
     try:
-        sid = orjson.loads(first).get("sample_id")
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    sid_type = pa.int64() if isinstance(sid, int) and not isinstance(sid, bool) else pa.string()
-    ids = pa.list_(pa.int32())
-    schema = pa.schema([("dataset", pa.string()), ("sample_id", sid_type), ("source", pa.string()),
-                        ("provider", pa.string()), ("finish_reason", pa.string()), ("ids_exact", pa.bool_()),
-                        ("prompt_ids", ids), ("output_ids", ids)])
-    try:
-        tab = pj.read_json(io.BytesIO(data),
-                           read_options=pj.ReadOptions(block_size=max(1 << 23, min(len(data) // 2 + 1, 1 << 26))),
-                           parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore",
-                                                         newlines_in_values=False))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return None  # mixed sample_id types, a bad line, an id beyond int32: the line parser says which
-    return _table_from_arrow(tab)
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        return None, f"{where}: not JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, f"{where}: line is not a JSON object"
+    missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
+    if missing:
+        return None, f"{where}: missing field(s) {', '.join(missing)}"
+    return obj, None
+
+
+def _read_fast(path: Path, data: bytes, source_fields: bool) -> IdTable:
+    """JSONL -> IdTable: id lists parsed as text by numpy, the rest of each line by orjson (see above)."""
+    mv = memoryview(data)
+    objs: list[dict | None] = []
+    linenos: list[int] = []
+    spans: list[tuple[int, int]] = []
+    bad: list[tuple[int, str]] = []
+    cuts = [_Cuts() for _ in _ID_KEYS]
+    # the string that stands in for a cut list while orjson reads the rest of the line; fresh
+    # per read, so no file can hold it: a line is taken from the cut reading only when the
+    # top-level key resolves to it (not a nested or duplicate key of the same name)
+    nonce = secrets.token_hex(8)
+    hole, hole_json = "\x00" + nonce, b'"\\u0000' + nonce.encode() + b'"'
+    pos, lineno, size = 0, 0, len(data)
+    while pos < size:
+        end = data.find(b"\n", pos)
+        end = size if end < 0 else end
+        start, pos = pos, end + 1
+        lineno += 1
+        if data[start] != 0x7B and not data[start:end].strip():  # 0x7B: "{"
+            continue
+        holes = []
+        for k, pat in enumerate(_ID_PATTERNS):
+            i = data.find(pat, start, end)
+            j = data.find(b"]", i + len(pat), end) if i >= 0 else -1
+            if j >= 0:
+                holes.append((i + len(pat) - 1, j + 1, k))
+        holes.sort()
+        if len(holes) == 2 and holes[0][1] > holes[1][0]:
+            holes = []
+        obj = None
+        if holes:
+            pieces, at = [], start
+            for a, b, _ in holes:
+                pieces += [mv[at:a], hole_json]
+                at = b
+            pieces.append(mv[at:end])
+            try:
+                obj = orjson.loads(b"".join(pieces))
+            except orjson.JSONDecodeError:
+                obj = None
+            if not (isinstance(obj, dict) and all(obj.get(_ID_KEYS[k]) == hole for *_, k in holes)
+                    and all(k in obj for k in ("dataset", "sample_id", "finish_reason"))):
+                obj = None
+        if obj is None:
+            holes = []
+            obj, why = _line_object(mv[start:end], f"{path}:{lineno}")
+            if obj is None:
+                bad.append((lineno, why))
+                continue
+        for a, b, k in holes:
+            cuts[k].rec.append(len(objs))
+            cuts[k].text.append(data[a + 1 : b - 1])
+        objs.append(obj)
+        linenos.append(lineno)
+        spans.append((start, end))
+
+    redo: set[int] = set()
+    parsed = [_parse_cuts(c, redo) for c in cuts]
+    drop: set[int] = set()
+    for r in sorted(redo):  # a list text numpy would not vouch for: orjson reads the whole line
+        s, e = spans[r]
+        obj, why = _line_object(mv[s:e], f"{path}:{linenos[r]}")
+        if obj is None:
+            bad.append((linenos[r], why))
+            drop.add(r)
+        else:
+            objs[r] = obj
+    keep = [i for i in range(len(objs)) if i not in drop]
+    where = lambda i: f"{path}:{linenos[i]}"  # noqa: E731
+    n = len(objs)
+    flats = []
+    for k, key in enumerate(_ID_KEYS):
+        cut_here = set(cuts[k].rec)
+        other = {i: o.get(key) for i, o in enumerate(objs) if i not in drop and (i not in cut_here or i in redo)}
+        flats.append(_flat_ids(n, parsed[k], other, drop, where, key))
+    if drop:  # a line that failed only inside its id list: it leaves the table, as a bad line
+        idx = np.asarray(keep, np.int64)
+        flats = [_take_rows(*f, idx) for f in flats]
+        objs = [objs[i] for i in keep]
+        linenos = [linenos[i] for i in keep]
+    meta = pd.DataFrame({c: [o.get(c) for o in objs] for c in META_COLUMNS})
+    (prompt, poff, hasp), (output, ooff, haso) = flats
+    t = IdTable(meta, prompt, poff, hasp, output, ooff, haso)
+    if source_fields:
+        t.messages = [o.get("messages") for o in objs]
+        t.tools = [o.get("tools") for o in objs]
+        t.reasoning = [o.get("reasoning") for o in objs]
+        t.content = [o.get("content") for o in objs]
+        t.loss_mask = [o.get("loss_mask") for o in objs]
+    t.meta["line"] = linenos
+    t.bad_lines = [why for _, why in sorted(bad)]
+    return t
+
+
+def _take_rows(flat: np.ndarray, off: np.ndarray, has: np.ndarray, rows: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The records `rows` of a flat id array with offsets."""
+    lens = np.diff(off)[rows]
+    new = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lens, out=new[1:])
+    parts = [flat[off[i] : off[i + 1]] for i in rows.tolist()]
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), new, has[rows]
 
 
 def _list_column(col: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -257,8 +483,9 @@ def _table_from_arrow(tab: Any) -> IdTable:
 def read_journal(path: str | Path, *, source_fields: bool = False) -> IdTable:
     """Read one records journal (JSONL) or columnar file (.parquet) into an IdTable.
 
-    JSONL goes through pyarrow's multithreaded JSON reader when the file allows it, else
-    orjson line by line (which names each bad line). A torn last line is ignored.
+    JSONL: the id lists are parsed as text by numpy, the rest of each line by orjson; any
+    line the fast path cannot vouch for is read whole by orjson (which names each bad line).
+    A torn last line is ignored.
     `source_fields=True` also keeps messages, tools and the text fields (tokenizer checks).
     """
     path = Path(path)
@@ -267,14 +494,8 @@ def read_journal(path: str | Path, *, source_fields: bool = False) -> IdTable:
     if path.suffix == ".parquet":
         return _read_parquet(path, source_fields)
     data, torn = _split_torn(path.read_bytes())
-    t = None
-    if not source_fields and data:
-        try:
-            t = _read_arrow(path, data)
-        except ValueError:
-            t = None
-    if t is None:
-        t = _read_orjson(path, data, source_fields)
+    # a lone carriage return splits lines for the line reader; keep its numbering there
+    t = _read_orjson(path, data, source_fields) if b"\r" in data else _read_fast(path, data, source_fields)
     t.torn_tail_bytes = torn
     t.meta["file"] = str(path)
     return t
