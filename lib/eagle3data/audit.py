@@ -626,46 +626,73 @@ def load_run(run_dir: str | Path, *, source_fields: bool = False) -> IdTable:
 # --------------------------------------------------------------------------- vectorized id checks
 
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 18  # elements per step of the scans: the temporaries stay in the CPU cache
+
+
+def _band_scan(ids: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, int]:
+    """One pass over ids: positions of ids in [lo, hi], and the array's min and max (for the vocab check).
+
+    `(id - lo)` read as unsigned is at most `hi - lo` exactly for ids in the band (the
+    subtraction wraps the rest out of it), so the band costs one subtraction and one compare.
+    """
+    if len(ids) == 0:
+        return np.zeros(0, np.int64), 0, -1
+    if ids.dtype not in (np.int32, np.int64) or not (np.iinfo(ids.dtype).min <= lo <= hi <= np.iinfo(ids.dtype).max):
+        ids = ids.astype(np.int64)
+    udt = np.uint32 if ids.dtype == np.int32 else np.uint64
+    n = min(_CHUNK, len(ids))
+    diff, mask = np.empty(n, ids.dtype), np.empty(n, bool)
+    hits, lo_all, hi_all = [], None, None
+    for s in range(0, len(ids), _CHUNK):
+        a = ids[s : s + _CHUNK]
+        d, m = diff[: len(a)], mask[: len(a)]
+        np.subtract(a, ids.dtype.type(lo), out=d, casting="unsafe")
+        np.less_equal(d.view(udt), udt(hi - lo), out=m)
+        h = np.flatnonzero(m)
+        if len(h):
+            hits.append(h + s)
+        amin, amax = a.min(), a.max()
+        lo_all = amin if lo_all is None else min(lo_all, amin)
+        hi_all = amax if hi_all is None else max(hi_all, amax)
+    return (np.concatenate(hits) if hits else np.zeros(0, np.int64)), int(lo_all), int(hi_all)
+
+
+def _events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]
+            ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int, int]:
+    """special_events plus the id array's min and max from the same pass."""
+    if not codes or len(ids) == 0:
+        e = np.zeros(0, np.int64)
+        lo_all, hi_all = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
+        return (e, e.copy(), e.copy()), lo_all, hi_all
+    lo, hi = min(codes), max(codes)
+    lut = np.zeros(hi - lo + 1, np.int16)
+    for tid, c in codes.items():
+        lut[tid - lo] = c
+    pos, lo_all, hi_all = _band_scan(ids, lo, hi)
+    code = lut[ids[pos] - lo].astype(np.int64)
+    keep = code > 0
+    pos, code = pos[keep], code[keep]
+    rec = np.searchsorted(off, pos, side="right") - 1
+    return (rec, pos - off[rec], code), lo_all, hi_all
 
 
 def special_events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All occurrences of the given ids in one pass: (record index, position in record, code).
 
-    The flat array is scanned in chunks for ids inside the [min, max] band of the special
-    ids, then a small lookup table maps each hit to its code (0 = not special).
+    The flat array is scanned in cache-sized chunks for ids inside the [min, max] band of
+    the special ids, then a small lookup table maps each hit to its code (0 = not special).
     """
-    if not codes or len(ids) == 0:
-        e = np.zeros(0, np.int64)
-        return e, e.copy(), e.copy()
-    lo, hi = min(codes), max(codes)
-    lut = np.zeros(hi - lo + 1, np.int16)
-    for tid, c in codes.items():
-        lut[tid - lo] = c
-    hits = []
-    mask = np.empty(min(_CHUNK, len(ids)), dtype=bool)
-    for s in range(0, len(ids), _CHUNK):
-        a = ids[s : s + _CHUNK]
-        m = mask[: len(a)]
-        if lo == hi:
-            np.equal(a, lo, out=m)
-        else:
-            np.greater_equal(a, lo, out=m)
-            m &= a <= hi
-        hits.append(np.flatnonzero(m) + s)
-    pos = np.concatenate(hits)
-    code = lut[ids[pos] - lo].astype(np.int64)
-    keep = code > 0
-    pos, code = pos[keep], code[keep]
-    rec = np.searchsorted(off, pos, side="right") - 1
-    return rec, pos - off[rec], code
+    return _events(ids, off, codes)[0]
 
 
-def _out_of_range(ids: np.ndarray, off: np.ndarray, vocab: int) -> np.ndarray:
+def _out_of_range(ids: np.ndarray, off: np.ndarray, vocab: int, lo_hi: tuple[int, int] | None = None) -> np.ndarray:
     """Per record: any id outside [0, vocab). Whole-array min/max first; the slow path only on a hit."""
     n = len(off) - 1
     bad = np.zeros(n, bool)
-    if len(ids) == 0 or (ids.min() >= 0 and ids.max() < vocab):
+    if len(ids) == 0:
+        return bad
+    lo, hi = lo_hi if lo_hi is not None else (ids.min(), ids.max())
+    if lo >= 0 and hi < vocab:
         return bad
     pos = np.flatnonzero((ids < 0) | (ids >= vocab))
     bad[np.unique(np.searchsorted(off, pos, side="right") - 1)] = True
@@ -710,7 +737,7 @@ def structural_checks(table: IdTable, profile: Profile) -> tuple[dict[str, np.nd
                 tool_names.append(nm)
     code_of = {nm: i + 1 for i, (nm, _) in enumerate(names)}
     K = len(names) + 1
-    rec, rel, code = special_events(ids, off, {tid: code_of[nm] for nm, tid in names})
+    (rec, rel, code), ids_lo, ids_hi = _events(ids, off, {tid: code_of[nm] for nm, tid in names})
 
     counts = np.bincount(rec * K + code, minlength=n * K).reshape(n, K) if n else np.zeros((0, K), np.int64)
     first = np.full((n, K), -1, np.int64)
@@ -806,7 +833,7 @@ def structural_checks(table: IdTable, profile: Profile) -> tuple[dict[str, np.nd
         elif bm.any():
             sections = pd.DataFrame({"record": trec[bm], "begin": trel[bm], "end": trel[bm]})
 
-    oov = _out_of_range(ids, off, profile.vocab_size)
+    oov = _out_of_range(ids, off, profile.vocab_size, (ids_lo, ids_hi))
     st["output.ids_in_vocab"] = status(oov)
     poov = _out_of_range(table.prompt, table.prompt_off, profile.vocab_size)
     s = np.where(poov, FAIL, PASS).astype(np.int8)
@@ -889,10 +916,11 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
     distinct[~usable] = NA
     if usable.sum() > 1:
         ids, off = table.output, table.output_off
-        rows = np.flatnonzero(L > 0)  # segments of the records holding tokens tile the flat array
-        s = np.add.reduceat(ids, off[:-1][rows], dtype=np.int64)
-        sig = pd.DataFrame({"L": L[rows], "sum": s, "first": ids[off[:-1][rows]], "last": ids[off[1:][rows] - 1]},
-                           index=rows)[usable[rows]]
+        # candidates share length and the ids at 9 spread positions (O(records), not O(tokens));
+        # only they are compared in full below
+        rows = np.flatnonzero(usable)
+        start, span = off[:-1][rows], L[rows] - 1
+        sig = pd.DataFrame({"L": L[rows]} | {f"at{k}": ids[start + span * k // 8] for k in range(9)}, index=rows)
         cand = sig.index[sig.duplicated(keep=False)].to_numpy()
         if len(cand):
             oh = [hash(table.output_ids(i).astype(np.int64).tobytes()) for i in cand]
