@@ -169,3 +169,11 @@ def test_randomly_formatted_journals_read_the_same(tmp_path):
     assert_same(q)
     fast, ref = audit_table(read_journal(p), KIMI_K25), audit_table(reference(p, False), KIMI_K25)
     pd.testing.assert_frame_equal(fast.status, ref.status)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"  \n\n", b'{"dataset":"d"',
+                                     b'{"dataset":"d","sample_id":1,"finish_reason":"stop","output_ids":[1]}\n'])
+def test_empty_blank_torn_and_prompt_less_journals_read_the_same(content, tmp_path):
+    p = tmp_path / "small.jsonl"
+    p.write_bytes(content)
+    assert_same(p)
