@@ -90,7 +90,7 @@ def _special_texts(profile: Profile) -> dict[str, list[str]]:
 
 
 def _has_any(text: str, needles: list[str]) -> bool:
-    return any(n in text for n in needles)
+    return any(map(text.__contains__, needles))
 
 
 def _call_parts(call: dict[str, Any]) -> tuple[str, str, str | None] | None:
@@ -136,8 +136,13 @@ def _render_tool_calls(calls: list[tuple[str, str, str | None]], profile: Profil
 def assemble(turn: ApiTurn, profile: Profile, *, append_guard: bool = False
              ) -> tuple[list[tuple[str, Token | None]], list[str]]:
     """The turn as segments `(text, structural token or None)` in the model's order, and its flags."""
+    return _assemble(turn, profile, _special_texts(profile), append_guard)
+
+
+def _assemble(turn: ApiTurn, profile: Profile, sp: dict[str, list[str]], append_guard: bool
+              ) -> tuple[list[tuple[str, Token | None]], list[str]]:
+    """`assemble` with the profile's special texts computed once per batch."""
     flags: list[str] = []
-    sp = _special_texts(profile)
     reasoning = turn.reasoning or ""
     content = turn.content or ""
     truncated = turn.finish_reason in ("length", "abort")
@@ -224,7 +229,27 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else n
 
 
-def _seam_by_offsets(segs: list[tuple[str, Token | None]], ids: list[int], offsets: list[tuple[int, int]]
+def _join(segs: list[tuple[str, Token | None]]) -> tuple[str, list[tuple[int, int, int]]]:
+    """The assembled text and its seams: `(start, end, id)` character span of each structural token."""
+    seams: list[tuple[int, int, int]] = []
+    pos = 0
+    for text, tok in segs:
+        if tok is not None:
+            seams.append((pos, pos + len(text), tok.id))
+        pos += len(text)
+    return "".join(s for s, _ in segs), seams
+
+
+def _seams_hold(enc: Any, ids: list[int], seams: list[tuple[int, int, int]]) -> bool:
+    """True when each seam's first token is its structural id with exactly its span (no offsets list built)."""
+    for start, end, tid in seams:
+        k = enc.char_to_token(start)
+        if k is None or ids[k] != tid or enc.token_to_chars(k) != (start, end):
+            return False
+    return True
+
+
+def _seam_by_offsets(seams: list[tuple[int, int, int]], ids: list[int], offsets: list[tuple[int, int]]
                      ) -> int | None:
     """None when every structural token sits as its single id exactly on its seam, else a token index.
 
@@ -232,17 +257,21 @@ def _seam_by_offsets(segs: list[tuple[str, Token | None]], ids: list[int], offse
     when each seam token is found whole at its own span, the text between seams was encoded
     exactly as if alone: the parts' ids concatenated equal the whole's ids.
     """
-    starts = np.fromiter((o[0] for o in offsets), dtype=np.int64, count=len(offsets))
-    pos = 0
-    for text, tok in segs:
-        if tok is not None:
-            k = int(np.searchsorted(starts, pos, side="left"))
-            while k < len(ids) and starts[k] == pos and not (ids[k] == tok.id and offsets[k][1] == pos + len(text)):
-                k += 1
-            if k >= len(ids) or starts[k] != pos:
-                return min(int(np.searchsorted(starts, pos, side="left")), len(ids))
-        pos += len(text)
+    starts = np.array([o[0] for o in offsets], dtype=np.int64)
+    for pos, end, tid in seams:
+        k = int(np.searchsorted(starts, pos, side="left"))
+        while k < len(ids) and starts[k] == pos and not (ids[k] == tid and offsets[k][1] == end):
+            k += 1
+        if k >= len(ids) or starts[k] != pos:
+            return min(int(np.searchsorted(starts, pos, side="left")), len(ids))
     return None
+
+
+def _seam_diff_by_offsets(enc: Any, ids: list[int], seams: list[tuple[int, int, int]]) -> int | None:
+    """`_seam_by_offsets` with a fast path: most records pass `_seams_hold`, which needs no offsets list."""
+    if _seams_hold(enc, ids, seams):
+        return None
+    return _seam_by_offsets(seams, ids, enc.offsets)
 
 
 def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *, count_tolerance: float = 0.02,
@@ -255,8 +284,10 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
     if seam_check not in ("offsets", "reencode"):
         raise ValueError(f"seam_check must be 'offsets' or 'reencode', got {seam_check!r}")
     bt = _backend(tokenizer)
-    assembled = [assemble(t, profile, append_guard=append_guard) for t in turns]
-    texts = ["".join(s for s, _ in segs) for segs, _ in assembled]
+    sp = _special_texts(profile)
+    assembled = [_assemble(t, profile, sp, append_guard) for t in turns]
+    joined = [_join(segs) for segs, _ in assembled]
+    texts = [t for t, _ in joined]
     encs = bt.encode_batch(texts, add_special_tokens=False)
     all_ids = [e.ids for e in encs]
     decoded = bt.decode_batch(all_ids, skip_special_tokens=False)
@@ -266,7 +297,7 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
         part_ids = [e.ids for e in bt.encode_batch_fast(flat, add_special_tokens=False)] if flat else []
     out: list[Rebuilt] = []
     j = 0
-    for (segs, flags), turn, enc, ids, text, dec in zip(assembled, turns, encs, all_ids, texts, decoded):
+    for (segs, flags), (text, seams), turn, enc, ids, dec in zip(assembled, joined, turns, encs, all_ids, decoded):
         if part_ids is not None:
             concat: list[int] = []
             for s, tok in segs:
@@ -277,8 +308,7 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
                     concat.append(tok.id)
             seam_diff = _first_diff(concat, ids)
         else:
-            seam_diff = _seam_by_offsets(segs, ids, enc.offsets)
-        flags = list(flags)
+            seam_diff = _seam_diff_by_offsets(enc, ids, seams) if seams else None
         if seam_diff is not None:
             flags.append("seam_mismatch")
         roundtrip_ok = dec == text
