@@ -434,3 +434,32 @@ def test_sigint_waits_for_in_flight(tmp_path):
     d = led["datasets"]["d0"]
     assert led["status"] == "stopped" and d["cancelled"] == 0
     assert d["done"] == sent == len(records(params))  # everything sent was waited for and kept
+
+
+@pytest.mark.parametrize("kind", ["openai", "sglang"])
+def test_prompts_templated_at_dispatch_too_long_rejected_never_sent(tmp_path, smollm2_tokenizer, kind):
+    """HTTP runs template each prompt as it is dispatched (or ahead, while every slot is busy):
+    ids match template_prompt, and a prompt reaching model.max_context is skipped, listed, never sent."""
+    from eagle3data.profiles import SMOLLM2
+    from eagle3data.prompts import load_prompts, template_prompt
+
+    prompts = load_prompts(write_prompts(tmp_path / "probe.jsonl", 12)).prompts
+    lengths = {p.sample_id: len(template_prompt(smollm2_tokenizer, p, SMOLLM2)) for p in prompts}
+    max_ctx = sorted(set(lengths.values()))[-2]  # the longest prompts (and any as long as the runner-up) reach it
+    too_long = {sid for sid, n in lengths.items() if n >= max_ctx}
+    assert 0 < len(too_long) < len(prompts)
+    with LoopbackServer(kind, latency=0.05) as srv:
+        params = make_params(tmp_path, srv, n=12, **{"generate.concurrency": 2, "model.max_context": max_ctx})
+        s = run_generate(params, progress=False, tokenizer=smollm2_tokenizer)
+        reqs = [r for r in srv.requests if r["path"] in ("/chat/completions", "/generate")]
+    assert s.status == "finished"
+    recs = records(params)
+    by_id = {p.sample_id: p for p in load_prompts(params.datasets[0].path).prompts}
+    assert {r["sample_id"] for r in recs} == set(lengths) - too_long
+    for r in recs:
+        assert r["prompt_ids"] == template_prompt(smollm2_tokenizer, by_id[r["sample_id"]], SMOLLM2)
+    assert len(reqs) == len(prompts) - len(too_long)
+    d = assert_adds_up(params)["datasets"]["d0"]
+    assert d["skipped"] == len(too_long) and set(d["skipped_ids"]) == too_long
+    assert len(d["rejected_prompt_lines"]) == len(too_long)
+    assert all("model.max_context" in line for line in d["rejected_prompt_lines"])

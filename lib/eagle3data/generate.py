@@ -84,18 +84,23 @@ class RunPlan:
     """What is left to do: the ledger so far, the prompts to send, and what resume found."""
 
     ledger: dict[str, DatasetLedger]
-    pending: list[tuple[Prompt, list[int]]]
+    pending: list[tuple[Prompt, list[int] | None]]
     done_keys: set[tuple[str, str]]
     torn_tail_bytes: dict[str, int]
     bad_lines: list[str]
 
 
-def plan_run(params: RunParams, tokenizer: Any, profile: Any) -> RunPlan:
-    """Read the journals (cutting a torn last line), count what is done, template what is not."""
+def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool = True) -> RunPlan:
+    """Read the journals (cutting a torn last line), count what is done, template what is not.
+
+    With `template=False` the pending prompts carry no ids yet (None): the HTTP engine
+    templates each one as it dispatches, so the first requests go out at once instead of
+    after every prompt of the run has been templated.
+    """
     run_dir = params.run_dir
     sets = load_datasets(params)
     ledger: dict[str, DatasetLedger] = {}
-    pending: list[tuple[Prompt, list[int]]] = []
+    pending: list[tuple[Prompt, list[int] | None]] = []
     done_keys: set[tuple[str, str]] = set()
     torn: dict[str, int] = {}
     bad: list[str] = []
@@ -129,6 +134,9 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any) -> RunPlan:
         led.resumed = led.done
         for p in ps.prompts:
             if (name, str(p.sample_id)) in done_keys:
+                continue
+            if not template:
+                pending.append((p, None))
                 continue
             ids = template_prompt(tokenizer, p, profile)
             if max_ctx is not None and len(ids) >= max_ctx:
@@ -203,16 +211,34 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     return new
 
 
+def _reserve(params: RunParams, ids: list[int]) -> int:
+    """Tokens a request reserves against its dataset's budget while in flight."""
+    g = params.generate
+    return (g.reserve_completion_tokens or g.sampling.max_new_tokens) + (len(ids) if g.budget_counts == "total" else 0)
+
+
 def _jobs(params: RunParams, plan: RunPlan) -> list:
     from .backends.engine import Job
 
-    g = params.generate
-    reserve_out = g.reserve_completion_tokens or g.sampling.max_new_tokens
-    jobs = [Job(p.dataset, p.sample_id, p.messages, p.tools, ids,
-                reserve=reserve_out + (len(ids) if g.budget_counts == "total" else 0))
-            for p, ids in plan.pending]
-    random.Random(f"dispatch:{g.sampling.seed}").shuffle(jobs)  # a budget cut leaves a random subset
+    jobs = [Job(p.dataset, p.sample_id, p.messages, p.tools, ids, reserve=_reserve(params, ids) if ids else 0,
+                prompt=p) for p, ids in plan.pending]
+    random.Random(f"dispatch:{params.generate.sampling.seed}").shuffle(jobs)  # a budget cut leaves a random subset
     return jobs
+
+
+def _preparer(params: RunParams, tokenizer: Any, profile: Any):
+    """The engine's `prepare`: template a job's prompt; reject it when it reaches model.max_context."""
+    max_ctx = params.model.max_context
+
+    def prepare(job: Any) -> None:
+        ids = template_prompt(tokenizer, job.prompt, profile)
+        if max_ctx is not None and len(ids) >= max_ctx:
+            job.rejected = (f"{job.dataset}:{job.sample_id}: prompt of {len(ids)} tokens reaches "
+                            f"model.max_context {max_ctx}")
+            return
+        job.prompt_ids, job.reserve = ids, _reserve(params, ids)
+
+    return prepare
 
 
 def _run_async(coro: Any) -> Any:
@@ -252,7 +278,7 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
     engine = Engine(backend, _jobs(params, plan), base_url=base_url, settings=settings, ledger=plan.ledger,
                     journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
                     budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
-                    progress=progress)
+                    progress=progress, prepare=_preparer(params, tokenizer, profile))
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -287,9 +313,10 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
         stop_file.unlink()
         print(f"removed a STOP file left by an earlier run: {stop_file}", file=sys.stderr)
     write_provenance(run_dir, "01_generate", params)
-    plan = plan_run(params, tokenizer, profile)
-    _report_resume(plan, progress)
     backend = params.generate.backend
+    # HTTP backends template each prompt as it is dispatched (the first requests go out at once)
+    plan = plan_run(params, tokenizer, profile, template=backend == "local")
+    _report_resume(plan, progress)
     write_ledger(run_dir, plan.ledger, "running",
                  {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
     if backend == "local":

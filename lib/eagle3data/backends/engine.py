@@ -50,14 +50,20 @@ class ResponseError(ValueError):
 
 @dataclass
 class Job:
-    """One prompt to send: its dataset, id, prompt messages/tools and locally templated ids."""
+    """One prompt to send: its dataset, id, prompt messages/tools and locally templated ids.
+
+    `prompt_ids` may be None until the engine's `prepare` templates the job (just before
+    dispatch, or ahead of it while every slot is busy); `rejected` then says why it is not sent.
+    """
 
     dataset: str
     sample_id: int | str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
-    prompt_ids: list[int]
+    prompt_ids: list[int] | None
     reserve: int = 0
+    prompt: Any = None
+    rejected: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -206,7 +212,7 @@ class Engine:
     def __init__(self, backend: Backend, jobs: Sequence[Job], *, base_url: str, settings: EngineSettings,
                  ledger: dict[str, DatasetLedger], journal_dir: Path, run_dir: Path, done_keys: set,
                  budgets: dict[str, int | None], ledger_extra: Callable[[], dict] | None = None,
-                 progress: bool = True):
+                 progress: bool = True, prepare: Callable[[Job], None] | None = None):
         self.backend = backend
         self.jobs = list(jobs)
         self.base_url = base_url.rstrip("/")
@@ -217,6 +223,7 @@ class Engine:
         self.done_keys = done_keys
         self.budgets = budgets
         self.ledger_extra = ledger_extra or (lambda: {})
+        self.prepare = prepare
         self.progress = Progress(progress)
         self.rng = random.Random(settings.seed)
         self.reserved: dict[str, int] = {k: 0 for k in ledger}
@@ -393,12 +400,36 @@ class Engine:
         led.skipped += 1
         led.skipped_ids.append(job.sample_id)
 
+    def _ready(self, job: Job) -> bool:
+        """Template the job if it is not yet (see `prepare`); False when it must not be sent."""
+        if job.prompt_ids is None and job.rejected is None and self.prepare is not None:
+            self.prepare(job)
+        if job.rejected is not None:
+            self._skip(job)
+            self.ledger[job.dataset].rejected_prompt_lines.append(job.rejected)
+            return False
+        return True
+
+    async def _prepare_ahead(self, jobs: list[Job], start: int) -> int:
+        """While every slot is busy, template jobs ahead of dispatch, one per loop turn; the next index."""
+        i = start
+        while i < len(jobs) and not self._wake.is_set():
+            job = jobs[i]
+            if job.prompt_ids is None and job.rejected is None:
+                self.prepare(job)
+                await asyncio.sleep(0)  # a response that came in meanwhile goes first
+            i += 1
+        return i
+
     async def _dispatch(self) -> None:
-        queue = deque(self.jobs)
+        jobs = self.jobs
+        i = ahead = 0  # jobs[i:] are not dispatched; jobs[:ahead] are templated
         bs = max(1, self.backend.batch_size)
-        while queue and self.stop_reason is None:
+        while i < len(jobs) and self.stop_reason is None:
             if not self._slots:
                 self._wake.clear()
+                if self.prepare is not None and ahead < len(jobs):
+                    ahead = await self._prepare_ahead(jobs, max(ahead, i))
                 await self._wake.wait()
                 continue
             await self._wait_pause()
@@ -408,8 +439,11 @@ class Engine:
                 self.request_stop(f"cost cap ${self.s.cost_cap_usd:g} reached (spent + reserved)", grace=False)
                 break
             batch: list[Job] = []
-            while queue and len(batch) < bs:
-                job = queue.popleft()
+            while i < len(jobs) and len(batch) < bs:
+                job = jobs[i]
+                i += 1
+                if not self._ready(job):
+                    continue
                 if not self._budget_left(job.dataset):
                     self.ledger[job.dataset].budget_reached = True
                     self._skip(job)
@@ -425,7 +459,7 @@ class Engine:
             task.add_done_callback(self._tasks.discard)
             if len(self._tasks) % 256 == 0:
                 await asyncio.sleep(0)  # let responses in while a large first wave goes out
-        for job in queue:
+        for job in jobs[i:]:
             self._skip(job)
 
     def _status_line(self, final: bool = False) -> str:
