@@ -219,6 +219,41 @@ def test_batch_equals_one_by_one(vocab):
     assert [b.output_ids for b in batch] == [one(tok, prof, t).output_ids for t in turns]
 
 
+def _mixed_turns(prof):
+    """Clean, truncated, tool-call and seam-swallowing ("… zq" before end-of-turn) turns."""
+    turns = [ApiTurn(t, t[::-1], finish_reason=fr, billed_tokens=b)
+             for t in ADVERSARIAL.values() for fr, b in (("stop", 9), ("length", None))]
+    turns += [ApiTurn("r", "abc zq", billed_tokens=4), ApiTurn("r", "", [tool_call("f", {"a": 1})], billed_tokens=20)]
+    return turns
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_pipelined_chunks_give_the_same_results_as_one_batch(vocab, chunk_size):
+    tok, prof = vocab
+    bad = _overlapping(tok, "zq" + prof.end_of_turn.text[:4])
+    turns = _mixed_turns(prof)
+    for t in (tok, bad):
+        whole = rebuild_batch(turns, t, prof, chunk_size=len(turns))
+        assert rebuild_batch(turns, t, prof, chunk_size=chunk_size) == whole  # every field, flags in order
+    assert not whole[-2].seam_ok and whole[-2].seam_first_diff is not None  # the bad tokenizer's mismatch
+
+
+def test_seam_fast_path_agrees_with_the_full_offset_scan(vocab):
+    from eagle3data.reconstruct import _assemble, _join, _seam_by_offsets, _seam_diff_by_offsets, _special_texts
+
+    tok, prof = vocab
+    bad = _overlapping(tok, "zq" + prof.end_of_turn.text[:4])
+    mismatches = 0
+    for t in (tok, bad):
+        bt = t.backend_tokenizer
+        for turn in _mixed_turns(prof):
+            text, seams = _join(_assemble(turn, prof, _special_texts(prof), False)[0])
+            e = bt.encode(text, add_special_tokens=False)
+            full = _seam_by_offsets(seams, e.ids, e.offsets)
+            assert _seam_diff_by_offsets(e, e.ids, seams) == full
+            mismatches += full is not None
+    assert mismatches >= 1  # the swallowed seam is found by both
+
 # ---------------------------------------------------------------- drift
 
 
