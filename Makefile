@@ -43,7 +43,7 @@ bench: model ## run the benchmarks; figures go to outputs/bench/*.json
 
 lab: model ## start JupyterLab on the registered eagle3data kernel, opening notebooks/
 	$(BIN)/pip install -q -e ".[lab]"
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 notebooks: $(STAMP) ## regenerate notebooks/*.ipynb from their jupytext .py sources (outputs stripped)
 	$(BIN)/jupytext --to ipynb notebooks/[0-9]*.py notebooks/_template.py
