@@ -1,4 +1,4 @@
-"""End to end: `python -m eagle3data run` executes the four notebooks through papermill on
+"""End to end: `python -m eagle3data run` executes the stage notebooks through papermill on
 two tiny prompts and leaves every artefact a user looks for."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden"]
+STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden", "05_export"]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def tiny_run(tmp_path_factory):
     return root / "ci", proc.stdout
 
 
-def test_run_executes_all_four_notebooks_and_says_where_things_went(tiny_run):
+def test_run_executes_every_stage_notebook_and_says_where_things_went(tiny_run):
     run_dir, stdout = tiny_run
     for s in STAGES:
         assert (run_dir / "notebooks" / f"{s}.ipynb").exists()
