@@ -1,0 +1,146 @@
+"""One reading of a run's training sequences for 04's mix and 05's exports: last journaled record
+per key, exact ids before 02's rebuilt ids, malformed files named by file:line and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from eagle3data.export import ExportError, select_samples
+from eagle3data.mix import MixError, build_mix
+from eagle3data.params import load_params
+from eagle3data.sequences import (
+    RunFileError,
+    latest_records,
+    read_jsonl,
+    read_rebuilt,
+    read_verdicts,
+    resolve,
+    split_latest,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rec(ds: str, sid, prompt=(1, 2, 3), output=(4, 5, 2), **kw) -> dict:
+    r = {"dataset": ds, "sample_id": sid, "source": "local", "model": "m", "profile": "smollm2",
+         "prompt_ids": list(prompt), "output_ids": None if output is None else list(output),
+         "ids_exact": output is not None, "finish_reason": "stop"}
+    r.update(kw)
+    return r
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+@pytest.fixture
+def params(tmp_path):
+    """A run whose journal has a retried error, a re-journaled sample and an API record rebuilt by 02."""
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path)})
+    rd = p.run_dir
+    _write(rd / "records" / "b1_glaive.jsonl", [
+        _rec("b1_glaive", 1, output=None, finish_reason="error", error="boom"),
+        _rec("b1_glaive", 2, output=(12, 2)),
+        _rec("b1_glaive", 1, output=(10, 11, 2)),  # retry of the error
+        _rec("b1_glaive", 2, output=(13, 14, 2)),  # journaled again, different output: this one counts
+        _rec("b1_glaive", 3, output=(20, 2)),
+        _rec("b1_glaive", 3, output=None, finish_reason="error", error="late"),  # last line is an error
+        _rec("b1_glaive", 4, output=None, source="api"),
+    ])
+    _write(rd / "records" / "b5_openthoughts.jsonl", [_rec("b5_openthoughts", 1, prompt=(7,), output=(8, 2))])
+    _write(rd / "reconstruct" / "b1_glaive.jsonl", [
+        {"dataset": "b1_glaive", "sample_id": 4, "source": "api", "ids_exact": False,
+         "input_ids": [1, 2, 3, 40, 2], "loss_mask": [0, 0, 0, 1, 1]},
+    ])
+    return p
+
+
+def test_latest_records_keep_the_last_journaled_per_key(params):
+    recs = latest_records(params.run_dir)
+    by = {(r["dataset"], r["sample_id"]): r for r in recs}
+    assert len(recs) == len(by) == 5
+    assert by[("b1_glaive", 1)]["output_ids"] == [10, 11, 2]  # the retry replaced the error
+    assert by[("b1_glaive", 2)]["output_ids"] == [13, 14, 2]
+    assert by[("b1_glaive", 3)]["finish_reason"] == "error"
+    # order: each key where it was first journaled, datasets in file order
+    assert [(r["dataset"], r["sample_id"]) for r in recs] == [
+        ("b1_glaive", 1), ("b1_glaive", 2), ("b1_glaive", 3), ("b1_glaive", 4), ("b5_openthoughts", 1)]
+    assert [r["dataset"] for r in latest_records(params.run_dir, ["b5_openthoughts"])] == ["b5_openthoughts"]
+    assert latest_records(params.run_dir, ["absent"]) == []
+
+
+def test_split_latest_returns_what_was_replaced():
+    a1, b, a2 = _rec("d", 1, output=(1,)), _rec("d", 2), _rec("d", "1", output=(2,))
+    latest, superseded = split_latest([a1, b, a2])
+    assert latest == [a2, b] and superseded == [a1]  # sample_id 1 and "1" are one key
+
+
+def test_resolve_exact_then_rebuilt_then_none(params):
+    rebuilt = read_rebuilt(params.run_dir)
+    s = resolve(_rec("b1_glaive", 9, prompt=(1, 2), output=(3, 2)), rebuilt)
+    assert (s.input_ids, s.loss_mask, s.ids_exact, s.sample_id, s.key, s.id) == \
+        ([1, 2, 3, 2], [0, 0, 1, 1], True, "9", "b1_glaive/9", "b1_glaive:9")
+    assert s.record is None and resolve(_rec("b1_glaive", 9), rebuilt, keep_record=True).record is not None
+    api = resolve(_rec("b1_glaive", 4, output=None, source="api"), rebuilt)
+    assert (api.input_ids, api.loss_mask, api.ids_exact, api.source) == ([1, 2, 3, 40, 2], [0, 0, 0, 1, 1], False, "api")
+    assert resolve(_rec("b1_glaive", 5, output=None, source="api"), rebuilt) is None
+    # exact ids win over a rebuilt line for the same key
+    assert resolve(_rec("b1_glaive", 4, prompt=(1,), output=(2,)), rebuilt).input_ids == [1, 2]
+
+
+def test_mix_and_export_take_the_same_sequences(params):
+    """The inconsistency this module removed: mix took the first usable line, export the last."""
+    mix = build_mix(params, write=False)
+    sel = select_samples(params.run_dir)
+    as_mix = {s.key: (s.input_ids, s.loss_mask, s.ids_exact) for s in mix.samples}
+    as_export = {s.key: (s.input_ids, s.loss_mask, s.ids_exact) for s in sel.samples}
+    assert as_mix == as_export
+    assert as_mix["b1_glaive/2"][0] == [1, 2, 3, 13, 14, 2]
+    assert "b1_glaive/3" not in as_mix  # its last journaled record is an error
+    assert {(d["sample_id"], d["reason"]) for d in mix.dropped} == {("1", "duplicate_key"), ("2", "duplicate_key"),
+                                                                    ("3", "duplicate_key"), ("3", "error")}
+    assert sel.skipped == [{"dataset": "b1_glaive", "sample_id": 3, "reason": "error"}]
+
+
+def test_read_verdicts_by_key_or_none(tmp_path):
+    assert read_verdicts(tmp_path) is None
+    _write(tmp_path / "audit" / "verdicts.jsonl", [{"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}])
+    assert read_verdicts(tmp_path) == {("d", "7"): {"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}}
+    _write(tmp_path / "audit" / "verdicts.jsonl", [{"dataset": "d", "failed": []}])
+    with pytest.raises(RunFileError, match=r"verdicts\.jsonl:1: missing field\(s\) sample_id") as e:
+        read_verdicts(tmp_path)
+    assert e.value.fields == ("sample_id",) and e.value.line == 1
+
+
+def test_read_rebuilt_rejects_malformed_lines(tmp_path):
+    path = tmp_path / "reconstruct" / "d.jsonl"
+    _write(path, [{"dataset": "d", "sample_id": 1, "input_ids": [1, 2], "loss_mask": [1]}])
+    with pytest.raises(RunFileError, match=r"d\.jsonl:1: field `loss_mask` has 1 entries for 2 input_ids"):
+        read_rebuilt(tmp_path)
+    _write(path, [{"dataset": "d", "sample_id": 1, "input_ids": "12", "loss_mask": [1]}])
+    with pytest.raises(RunFileError, match="must be lists"):
+        read_rebuilt(tmp_path, ["d"])
+    assert read_rebuilt(tmp_path, ["other"]) == {}
+    # each consumer gets its own error class, worded as before
+    _write(path, [{"dataset": "d", "sample_id": 1}])
+    with pytest.raises(MixError, match=r"d\.jsonl:1: missing field `input_ids`"):
+        read_rebuilt(tmp_path, error=MixError)
+    with pytest.raises(ExportError, match=r"d\.jsonl:1: missing field\(s\) input_ids, loss_mask"):
+        read_rebuilt(tmp_path, error=ExportError)
+
+
+def test_read_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n{"a": 2}')  # blank line skipped; complete last line without newline is kept
+    assert list(read_jsonl(path)) == [(1, {"a": 1}), (3, {"a": 2})]
+    path.write_bytes(b'{"a": 1}\n{"a": ')
+    with pytest.raises(ValueError, match=r"x\.jsonl:2: not JSON .*torn last line"):
+        list(read_jsonl(path))
+    path.write_bytes(b'nope\n{"a": 1}\n')
+    with pytest.raises(RunFileError, match=r"x\.jsonl:1: not JSON") as e:
+        list(read_jsonl(path))
+    assert "torn" not in str(e.value)
