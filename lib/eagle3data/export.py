@@ -31,38 +31,24 @@ from typing import Any, Iterable, Literal
 import numpy as np
 import orjson
 
-from .records import read_records, record_key
+from .records import record_key
+from .sequences import RunFileError, Sample, latest_records, read_rebuilt, read_verdicts, resolve
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
 META_FIELDS = ("dataset", "sample_id", "source", "ids_exact", "finish_reason")
 
 
-class ExportError(ValueError):
+class ExportError(RunFileError):
     """Input to an export is unusable; the message names the file, line and field."""
 
 
-@dataclass
-class Sample:
-    """One exportable sample: token ids, loss mask, the record it came from."""
-
-    dataset: str
-    sample_id: int | str
-    source: str
-    ids_exact: bool
-    finish_reason: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    record: dict[str, Any]
-
-    @property
-    def id(self) -> str:
-        return f"{self.dataset}:{self.sample_id}"
-
-    def token_record(self) -> dict[str, Any]:
-        """The token-level line: id, metadata, input_ids, loss_mask."""
-        return {"id": self.id, **{k: getattr(self, k) for k in META_FIELDS},
-                "input_ids": self.input_ids, "loss_mask": self.loss_mask}
+def token_record(s: Sample) -> dict[str, Any]:
+    """The token-level line of a sample: id, metadata (sample_id as journaled), input_ids, loss_mask."""
+    meta = {k: getattr(s, k) for k in META_FIELDS}
+    if s.record is not None:
+        meta["sample_id"] = s.record["sample_id"]
+    return {"id": s.id, **meta, "input_ids": s.input_ids, "loss_mask": s.loss_mask}
 
 
 @dataclass
@@ -120,58 +106,6 @@ class DraftVocab:
 # ---------------------------------------------------------------- reading a run
 
 
-def _read_jsonl(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
-    for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, orjson.loads(line)
-        except orjson.JSONDecodeError as e:
-            raise ExportError(f"{path}:{lineno}: not JSON ({e})") from None
-
-
-def _need(obj: dict[str, Any], keys: Iterable[str], where: str) -> None:
-    missing = [k for k in keys if k not in obj]
-    if missing:
-        raise ExportError(f"{where}: missing field(s) {', '.join(missing)}")
-
-
-def load_verdicts(run_dir: str | Path) -> dict[tuple[str, str], list[str]] | None:
-    """Failed checks per (dataset, sample_id) from `audit/verdicts.jsonl`; None when absent."""
-    path = Path(run_dir) / "audit" / "verdicts.jsonl"
-    if not path.exists():
-        return None
-    out: dict[tuple[str, str], list[str]] = {}
-    for lineno, v in _read_jsonl(path):
-        _need(v, ("dataset", "sample_id", "failed"), f"{path}:{lineno}")
-        out[record_key(v)] = list(v["failed"] or [])
-    return out
-
-
-def load_reconstructed(run_dir: str | Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """Rebuilt `input_ids`/`loss_mask` per (dataset, sample_id) from `reconstruct/*.jsonl`."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    folder = Path(run_dir) / "reconstruct"
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
-        for lineno, r in _read_jsonl(path):
-            where = f"{path}:{lineno}"
-            _need(r, ("dataset", "sample_id", "input_ids", "loss_mask"), where)
-            if len(r["input_ids"]) != len(r["loss_mask"]):
-                raise ExportError(f"{where}: field `loss_mask` has {len(r['loss_mask'])} entries "
-                                  f"for {len(r['input_ids'])} input_ids")
-            out[record_key(r)] = r
-    return out
-
-
-def _latest_records(run_dir: Path) -> list[dict[str, Any]]:
-    """One record per (dataset, sample_id): the last one journaled (a retry replaces an error)."""
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted((run_dir / "records").glob("*.jsonl")):
-        for rec in read_records(path):
-            latest[record_key(rec)] = rec
-    return list(latest.values())
-
-
 def select_samples(run_dir: str | Path, *, include_failed: bool = False) -> Selection:
     """Samples of a run ready for export, and every skipped record with its reason.
 
@@ -181,37 +115,29 @@ def select_samples(run_dir: str | Path, *, include_failed: bool = False) -> Sele
     run_dir = Path(run_dir)
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
-    verdicts = load_verdicts(run_dir)
-    rebuilt = load_reconstructed(run_dir)
+    verdicts = read_verdicts(run_dir, error=ExportError)
+    rebuilt = read_rebuilt(run_dir, error=ExportError)
     sel = Selection(verdicts_present=verdicts is not None, include_failed=include_failed)
-    for rec in _latest_records(run_dir):
-        key = record_key(rec)
+    for rec in latest_records(run_dir):
         base = {"dataset": rec["dataset"], "sample_id": rec["sample_id"]}
         fr = rec["finish_reason"]
         if fr in ("error", "abort"):
             sel.skipped.append({**base, "reason": fr})
             continue
         if verdicts is not None:
-            failed = verdicts.get(key)
-            if failed is None:
+            v = verdicts.get(record_key(rec))
+            if v is None:
                 sel.skipped.append({**base, "reason": "no_verdict"})
                 continue
+            failed = list(v["failed"] or [])
             if failed and not include_failed:
                 sel.skipped.append({**base, "reason": "failed_audit", "failed": failed})
                 continue
-        if rec.get("output_ids") is not None and rec.get("prompt_ids") is not None:
-            ids = list(rec["prompt_ids"]) + list(rec["output_ids"])
-            mask = [0] * len(rec["prompt_ids"]) + [1] * len(rec["output_ids"])
-            exact = bool(rec.get("ids_exact", False))
-        elif key in rebuilt:
-            r = rebuilt[key]
-            ids, mask, exact = list(r["input_ids"]), [int(m) for m in r["loss_mask"]], bool(r.get("ids_exact", False))
-        else:
+        s = resolve(rec, rebuilt, keep_record=True)
+        if s is None:
             sel.skipped.append({**base, "reason": "no_ids"})
             continue
-        sel.samples.append(Sample(dataset=rec["dataset"], sample_id=rec["sample_id"],
-                                  source=rec.get("source", "?"), ids_exact=exact, finish_reason=fr,
-                                  input_ids=ids, loss_mask=mask, record=rec))
+        sel.samples.append(s)
     return sel
 
 
@@ -359,7 +285,7 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_siz
 
         _write_jsonl(out / "conversations.jsonl", (conversation(s.record) for s in sel.samples))
         files["conversations.jsonl"] = "SpecForge conversations (id, conversations[role, content, reasoning_content], tools): text, re-templated by the trainer"
-        _write_jsonl(out / "token_ids.jsonl", (s.token_record() for s in sel.samples))
+        _write_jsonl(out / "token_ids.jsonl", (token_record(s) for s in sel.samples))
         files["token_ids.jsonl"] = "token-level records (id, dataset, sample_id, source, ids_exact, finish_reason, input_ids, loss_mask): exact ids"
         torch.save({"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
                    out / "vocab_mapping.pt")
@@ -417,7 +343,7 @@ def _run_settings(run_dir: Path) -> tuple[int, int, bool]:
         data = json.loads(prov.read_text(encoding="utf-8"))
         export_params = ExportParams.model_validate((data.get("params") or {}).get("export") or {})
     profile = None
-    for rec in _latest_records(run_dir):
+    for rec in latest_records(run_dir):
         profile = rec.get("profile")
         if profile:
             break

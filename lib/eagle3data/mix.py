@@ -20,7 +20,13 @@ import numpy as np
 import orjson
 
 from .params import RunParams
-from .records import read_records
+from .records import record_key
+from .sequences import (RunFileError, Sample, journal, latest_records, read_rebuilt, read_verdicts, resolve,
+                        sample_key, split_latest)
+
+# Sample and sample_key live in sequences.py; hidden.py imports them from here.
+__all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "Sample", "build_mix", "hidden_dir",
+           "read_mix", "sample_key", "source_sequences", "tmp_tag", "write_mix"]
 
 MIX_FILE = "mix.parquet"
 MANIFEST_FILE = "mix_manifest.json"
@@ -33,35 +39,19 @@ DROP_REASONS = {
     "truncated": "cut at max_new_tokens (hidden.drop_truncated)",
     "audit_failed": "failed a 03_audit check (hidden.include_failed is off)",
     "not_audited": "no 03_audit verdict although the audit ran",
-    "duplicate_key": "(dataset, sample_id) already taken from an earlier journal line",
+    "duplicate_key": "(dataset, sample_id) journaled again later: only the last journaled record counts",
     "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
     "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
 }
 
 
-class MixError(ValueError):
-    """An input file of the mix is malformed; the message names file, line and field."""
+class MixError(RunFileError):
+    """An input of the mix is unusable; for a malformed file the message names file, line and field."""
 
-
-@dataclass
-class Sample:
-    """One training sequence: ids and loss mask plus where it came from."""
-
-    dataset: str
-    sample_id: str
-    source: str
-    ids_exact: bool
-    input_ids: list[int]
-    loss_mask: list[int]
-
-    @property
-    def key(self) -> str:
-        return sample_key(self.dataset, self.sample_id)
-
-
-def sample_key(dataset: str, sample_id: Any) -> str:
-    """The stable text key of a sample across stages: `dataset/sample_id`."""
-    return f"{dataset}/{sample_id}"
+    @classmethod
+    def missing(cls, path: Path, line: int, fields: list[str]) -> MixError:
+        """The mix's wording: the first missing field, in backticks."""
+        return cls(f"{path}:{line}: missing field `{fields[0]}`", path=path, line=line, fields=tuple(fields))
 
 
 def hidden_dir(params: RunParams) -> Path:
@@ -69,78 +59,17 @@ def hidden_dir(params: RunParams) -> Path:
     return Path(params.hidden.out_dir) if params.hidden.out_dir else params.run_dir / "hidden"
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    out = []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            if not line.endswith(b"\n"):
-                break  # torn last line of a file still being written
-            try:
-                out.append((lineno, orjson.loads(line)))
-            except orjson.JSONDecodeError as e:
-                raise MixError(f"{path}:{lineno}: not JSON ({e})") from None
-    return out
-
-
-def read_reconstructed(run_dir: Path, dataset: str) -> dict[str, tuple[list[int], list[int]]]:
-    """Rebuilt `(input_ids, loss_mask)` by sample_id from 02's `reconstruct/<dataset>.jsonl` (empty if absent)."""
-    path = run_dir / "reconstruct" / f"{dataset}.jsonl"
-    if not path.exists():
-        return {}
-    out: dict[str, tuple[list[int], list[int]]] = {}
-    for lineno, obj in _read_jsonl(path):
-        for fld in ("sample_id", "input_ids", "loss_mask"):
-            if fld not in obj:
-                raise MixError(f"{path}:{lineno}: missing field `{fld}`")
-        ids, mask = obj["input_ids"], obj["loss_mask"]
-        if not isinstance(ids, list) or not isinstance(mask, list):
-            raise MixError(f"{path}:{lineno}: field `input_ids`/`loss_mask` must be lists")
-        out[str(obj["sample_id"])] = (ids, mask)
-    return out
-
-
-def read_verdicts(run_dir: Path) -> dict[str, dict[str, Any]] | None:
-    """03's verdicts by sample key, or None when the audit has not run (no `audit/verdicts.jsonl`)."""
-    path = run_dir / "audit" / "verdicts.jsonl"
-    if not path.exists():
-        return None
-    out = {}
-    for lineno, obj in _read_jsonl(path):
-        for fld in ("dataset", "sample_id", "failed"):
-            if fld not in obj:
-                raise MixError(f"{path}:{lineno}: missing field `{fld}`")
-        out[sample_key(obj["dataset"], obj["sample_id"])] = obj
-    return out
-
-
-def resolve_ids(rec: dict[str, Any], rebuilt: dict[str, tuple[list[int], list[int]]]) -> Sample | None:
-    """A record's training sequence: exact ids from the record, else 02's rebuilt ids, else None."""
-    sid = str(rec["sample_id"])
-    if rec.get("output_ids") is not None and rec.get("prompt_ids") is not None:
-        p, o = rec["prompt_ids"], rec["output_ids"]
-        return Sample(rec["dataset"], sid, rec.get("source", "local"), bool(rec.get("ids_exact", True)),
-                      list(p) + list(o), [0] * len(p) + [1] * len(o))
-    if sid in rebuilt:
-        ids, mask = rebuilt[sid]
-        return Sample(rec["dataset"], sid, rec.get("source", "api"), False, list(ids), list(mask))
-    return None
-
-
 def source_sequences(params: RunParams) -> dict[str, Sample]:
-    """Every resolvable sequence of the run's chosen datasets by key (first usable journal line wins)."""
-    run_dir = params.run_dir
+    """Every resolvable sequence of the run's chosen datasets by key (last journaled record; errors skipped)."""
+    names = _chosen(params)
+    rebuilt = read_rebuilt(params.run_dir, names, error=MixError)
     out: dict[str, Sample] = {}
-    for name in _chosen(params):
-        rebuilt = read_reconstructed(run_dir, name)
-        path = run_dir / "records" / f"{name}.jsonl"
-        for rec in read_records(path) if path.exists() else []:
-            if rec.get("finish_reason") in ("error", "abort"):
-                continue
-            s = resolve_ids(rec, rebuilt)
-            if s is not None and s.key not in out:
-                out[s.key] = s
+    for rec in latest_records(params.run_dir, names):
+        if rec.get("finish_reason") in ("error", "abort"):
+            continue
+        s = resolve(rec, rebuilt)
+        if s is not None:
+            out[s.key] = s
     return out
 
 
@@ -187,10 +116,9 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
     """Build the training mix from the run's records, audit verdicts and rebuilt ids; write it under hidden/."""
     hp = params.hidden
     run_dir = params.run_dir
-    verdicts = read_verdicts(run_dir)
+    verdicts = read_verdicts(run_dir, error=MixError)
     dropped: list[dict[str, Any]] = []
     kept: list[Sample] = []
-    seen_keys: set[str] = set()
     seen_ids: dict[bytes, str] = {}
     records_read = 0
 
@@ -200,29 +128,29 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
         dropped.append({"dataset": ds, "sample_id": sid, "reason": reason, **extra})
 
     for name in _chosen(params):
-        rebuilt = read_reconstructed(run_dir, name)
-        path = run_dir / "records" / f"{name}.jsonl"
-        recs = read_records(path) if path.exists() else []
+        rebuilt = read_rebuilt(run_dir, [name], error=MixError)
+        recs = journal(run_dir, name)
         records_read += len(recs)
-        cands: list[Sample] = []
         for rec in recs:
             if rec["dataset"] != name:
+                path = run_dir / "records" / f"{name}.jsonl"
                 raise MixError(f"{path}: record {rec['sample_id']!r} has dataset {rec['dataset']!r}, not {name!r}")
-            key = sample_key(name, rec["sample_id"])
+        latest, superseded = split_latest(recs)
+        for rec in superseded:
+            drop(rec, "duplicate_key")
+        cands: list[Sample] = []
+        for rec in latest:
             if rec.get("finish_reason") in ("error", "abort"):
                 drop(rec, "error")
                 continue
-            if key in seen_keys:
-                drop(rec, "duplicate_key")
-                continue
-            s = resolve_ids(rec, rebuilt)
+            s = resolve(rec, rebuilt)
             if s is None:
                 drop(rec, "no_ids")
                 continue
             if len(s.input_ids) != len(s.loss_mask) or not any(s.loss_mask):
                 drop(rec, "bad_ids")
                 continue
-            v = verdicts.get(key) if verdicts is not None else None
+            v = verdicts.get(record_key(rec)) if verdicts is not None else None
             if hp.drop_truncated and (rec.get("finish_reason") == "length" or (v or {}).get("truncated")):
                 drop(rec, "truncated")
                 continue
@@ -233,7 +161,6 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
                 if v.get("failed"):
                     drop(rec, "audit_failed", checks=list(v["failed"]))
                     continue
-            seen_keys.add(key)
             cands.append(s)
         # deterministic order before dedupe/caps: journals are in completion order
         cands.sort(key=lambda s: _sort_key(s.sample_id))
@@ -356,7 +283,7 @@ def read_mix(out_dir: str | Path) -> Mix:
     if not path.exists():
         raise FileNotFoundError(f"no training mix at {path}: build it first (mix.build_mix)")
     t = pq.read_table(path).to_pydict()
-    samples = [Sample(d, sid, src, ex, ids, mask) for d, sid, src, ex, ids, mask in
+    samples = [Sample(d, sid, src, ex, None, ids, mask) for d, sid, src, ex, ids, mask in
                zip(t["dataset"], t["sample_id"], t["source"], t["ids_exact"], t["input_ids"], t["loss_mask"])]
     manifest = orjson.loads((out_dir / MANIFEST_FILE).read_bytes())
     return Mix(samples, manifest, path, dropped=manifest.get("dropped", []))
