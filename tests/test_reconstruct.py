@@ -227,17 +227,6 @@ def _mixed_turns(prof):
     return turns
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
-def test_pipelined_chunks_give_the_same_results_as_one_batch(vocab, chunk_size):
-    tok, prof = vocab
-    bad = _overlapping(tok, "zq" + prof.end_of_turn.text[:4])
-    turns = _mixed_turns(prof)
-    for t in (tok, bad):
-        whole = rebuild_batch(turns, t, prof, chunk_size=len(turns))
-        assert rebuild_batch(turns, t, prof, chunk_size=chunk_size) == whole  # every field, flags in order
-    assert not whole[-2].seam_ok and whole[-2].seam_first_diff is not None  # the bad tokenizer's mismatch
-
-
 def test_seam_fast_path_agrees_with_the_full_offset_scan(vocab):
     from eagle3data.reconstruct import _assemble, _join, _seam_by_offsets, _seam_diff_by_offsets, _special_texts
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -277,41 +275,20 @@ def _seam_diff_by_offsets(enc: Any, ids: list[int], seams: list[tuple[int, int, 
 
 
 def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *, count_tolerance: float = 0.02,
-                  seam_check: str = "offsets", append_guard: bool = False, chunk_size: int = 1024
-                  ) -> list[Rebuilt]:
-    """Rebuild and verify many turns with batched encodes and decodes, pipelined by chunk.
+                  seam_check: str = "offsets", append_guard: bool = False) -> list[Rebuilt]:
+    """Rebuild and verify many turns with one batched encode (and one batched decode).
 
     `seam_check="offsets"` proves the seams from the whole encoding's offsets (no second
-    encode); `"reencode"` also encodes every text part on its own and compares ids. The
-    tokenizer releases the GIL, so a worker thread encodes chunk i+1 while this thread
-    decodes and verifies chunk i (and assembles chunk i+2): the Python work overlaps Rust.
+    encode); `"reencode"` also encodes every text part on its own and compares ids.
     """
     if seam_check not in ("offsets", "reencode"):
         raise ValueError(f"seam_check must be 'offsets' or 'reencode', got {seam_check!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     bt = _backend(tokenizer)
     sp = _special_texts(profile)
-    out: list[Rebuilt] = []
-    pending: deque[tuple[Sequence[ApiTurn], list[Any], list[Any], Future[Any]]] = deque()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reconstruct-encode") as pool:
-        for lo in range(0, len(turns), chunk_size):
-            part = turns[lo : lo + chunk_size]
-            assembled = [_assemble(t, profile, sp, append_guard) for t in part]
-            joined = [_join(segs) for segs, _ in assembled]
-            fut = pool.submit(bt.encode_batch, [t for t, _ in joined], add_special_tokens=False)
-            pending.append((part, assembled, joined, fut))
-            if len(pending) > 1:
-                out += _verify(bt, *pending.popleft(), count_tolerance, seam_check)
-        while pending:
-            out += _verify(bt, *pending.popleft(), count_tolerance, seam_check)
-    return out
-
-
-def _verify(bt: Any, turns: Sequence[ApiTurn], assembled: list[Any], joined: list[Any], encoded: Future[Any],
-            count_tolerance: float, seam_check: str) -> list[Rebuilt]:
-    """Seam, roundtrip and count checks of one encoded chunk (one batched decode)."""
-    encs = encoded.result()
+    assembled = [_assemble(t, profile, sp, append_guard) for t in turns]
+    joined = [_join(segs) for segs, _ in assembled]
+    texts = [t for t, _ in joined]
+    encs = bt.encode_batch(texts, add_special_tokens=False)
     all_ids = [e.ids for e in encs]
     decoded = bt.decode_batch(all_ids, skip_special_tokens=False)
     part_ids: list[list[int]] | None = None
