@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,7 @@ def bench_vocab(name: str, tok, profile, turns, reencode: bool = True) -> dict:
         "rebuild_verify_reencode_tok_s": n_tokens / reen,
         "ratio_offsets": base / offs, "ratio_reencode": base / reen,
         "ratio_offsets_per_round": [b / r for b, r in zip(base_t, reb_t)],
+        "ratio_offsets_median_paired": statistics.median(b / r for b, r in zip(base_t, reb_t)),
         "ratio_offsets_cpu": min(base_c) / min(reb_c),
         "baseline_wall_s": base_t, "rebuild_wall_s": reb_t, "baseline_cpu_s": base_c, "rebuild_cpu_s": reb_c,
         "rebuild_ids_equal_baseline": same_ids,
