@@ -164,10 +164,16 @@ def _table_from_dicts(objs: list[dict[str, Any]], where: Callable[[int], str], s
             v = o.get(k)
             if v is not None and not isinstance(v, list):
                 raise AuditInputError(f"{where(i)}: field `{k}` must be a list of integer ids or null")
+    prompt = _flat([o.get("prompt_ids") for o in objs], where, "prompt_ids")
+    output = _flat([o.get("output_ids") for o in objs], where, "output_ids")
+    return _assemble_table(objs, prompt, output, source_fields)
+
+
+def _assemble_table(objs: list[dict[str, Any]], prompt: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    output: tuple[np.ndarray, np.ndarray, np.ndarray], source_fields: bool) -> IdTable:
+    """An IdTable from parsed records and their flat (ids, offsets, present) prompt/output arrays."""
     meta = pd.DataFrame({c: [o.get(c) for o in objs] for c in META_COLUMNS})
-    prompt, poff, hasp = _flat([o.get("prompt_ids") for o in objs], where, "prompt_ids")
-    output, ooff, haso = _flat([o.get("output_ids") for o in objs], where, "output_ids")
-    t = IdTable(meta, prompt, poff, hasp, output, ooff, haso)
+    t = IdTable(meta, *prompt, *output)
     if source_fields:
         t.messages = [o.get("messages") for o in objs]
         t.tools = [o.get("tools") for o in objs]
@@ -434,15 +440,7 @@ def _read_fast(path: Path, data: bytes, source_fields: bool) -> IdTable:
         flats = [_take_rows(*f, idx) for f in flats]
         objs = [objs[i] for i in keep]
         linenos = [linenos[i] for i in keep]
-    meta = pd.DataFrame({c: [o.get(c) for o in objs] for c in META_COLUMNS})
-    (prompt, poff, hasp), (output, ooff, haso) = flats
-    t = IdTable(meta, prompt, poff, hasp, output, ooff, haso)
-    if source_fields:
-        t.messages = [o.get("messages") for o in objs]
-        t.tools = [o.get("tools") for o in objs]
-        t.reasoning = [o.get("reasoning") for o in objs]
-        t.content = [o.get("content") for o in objs]
-        t.loss_mask = [o.get("loss_mask") for o in objs]
+    t = _assemble_table(objs, flats[0], flats[1], source_fields)
     t.meta["line"] = linenos
     t.bad_lines = [why for _, why in sorted(bad)]
     return t
