@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from eagle3data.profiles import QWEN3, SMOLLM2, Token, ToolCallTokens
+from eagle3data.profiles import KIMI_K25, QWEN3, SMOLLM2, Token, ToolCallTokens
 from eagle3data.reconstruct import (ApiTurn, measure_drift, rebuild_batch, split_like_api, tool_call,
                                     wilson_interval)
 
@@ -303,3 +303,20 @@ def test_wilson_interval():
     lo, hi = wilson_interval(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
     assert wilson_interval(10, 10)[1] == 1.0 and wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("profile", [KIMI_K25, QWEN3], ids=lambda p: p.name)
+def test_one_scan_for_special_texts_agrees_with_a_search_per_text(profile):
+    """The flags' single regex scan finds exactly what a substring search per special text finds."""
+    import random
+
+    from eagle3data.reconstruct import _has_any, _kinds_in, _special_pattern, _special_texts
+
+    sp = _special_texts(profile)
+    pattern = _special_pattern(sp)
+    pieces = [t for v in sp.values() for t in v] + ["<", "[", "|>", "think", "<|", "a", " ", "\n", "<<", "]]"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        expected = {kind for kind, texts in sp.items() if _has_any(text, texts)}
+        assert _kinds_in(text, sp, pattern) == expected, text

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,38 @@ def _has_any(text: str, needles: list[str]) -> bool:
     return any(map(text.__contains__, needles))
 
 
+def _special_pattern(sp: dict[str, list[str]]) -> re.Pattern[str]:
+    """One pattern finding every start position of any special text (lookahead: overlaps too)."""
+    texts = sorted({t for v in sp.values() for t in v}, key=len, reverse=True)
+    return re.compile("(?=(" + "|".join(map(re.escape, texts)) + "))")
+
+
+def _kinds_in(text: str, sp: dict[str, list[str]], pattern: re.Pattern[str]) -> set[str]:
+    """Which kinds of special text (`eot`, `reasoning`, `tools`) occur in `text`, in one scan.
+
+    Same answer as `_has_any(text, sp[kind])` for each kind: the lookahead reports a match at
+    every position, and a special text that is a prefix of a longer one found is counted too.
+    """
+    if not text:
+        return set()
+    found = set(pattern.findall(text))
+    if not found:
+        return set()
+    found |= {t for v in sp.values() for t in v if any(f.startswith(t) for f in found)}
+    return {kind for kind, texts in sp.items() if found.intersection(texts)}
+
+
+_PATTERNS: dict[tuple[tuple[str, ...], ...], re.Pattern[str]] = {}
+
+
+def _special_pattern_cached(sp: dict[str, list[str]]) -> re.Pattern[str]:
+    key = tuple(tuple(v) for v in sp.values())
+    pat = _PATTERNS.get(key)
+    if pat is None:
+        pat = _PATTERNS[key] = _special_pattern(sp)
+    return pat
+
+
 def _call_parts(call: dict[str, Any]) -> tuple[str, str, str | None] | None:
     """(name, arguments JSON text, id) of an OpenAI-format tool call, or None when unusable."""
     fn = call.get("function", call) if isinstance(call, dict) else None
@@ -157,17 +190,20 @@ def _assemble(turn: ApiTurn, profile: Profile, sp: dict[str, list[str]], append_
             calls.append(parts)
     if not (reasoning or content or calls):
         flags.append("empty_output")
-    if _has_any(content, sp["eot"]):
+    pattern = _special_pattern_cached(sp)
+    in_content = _kinds_in(content, sp, pattern)
+    in_reasoning = _kinds_in(reasoning, sp, pattern)
+    if "eot" in in_content:
         flags.append("content_has_end_of_turn")
-    if _has_any(content, sp["reasoning"]):
+    if "reasoning" in in_content:
         flags.append("content_has_reasoning_token")
-    if _has_any(content, sp["tools"]):
+    if "tools" in in_content:
         flags.append("content_has_tool_call_token")
-    if _has_any(reasoning, sp["tools"]):
+    if "tools" in in_reasoning:
         flags.append("reasoning_has_tool_call_token")
-    if _has_any(reasoning, sp["reasoning"]):
+    if "reasoning" in in_reasoning:
         flags.append("reasoning_has_reasoning_token")
-    if _has_any(reasoning, sp["eot"]):
+    if "eot" in in_reasoning:
         flags.append("reasoning_has_end_of_turn")
 
     segs: list[tuple[str, Token | None]] = []
