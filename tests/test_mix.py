@@ -4,30 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
 import pytest
 
 from eagle3data.mix import MixError, build_mix, read_mix
 from eagle3data.params import load_params
+from runfiles import make_record as _rec
+from runfiles import write_jsonl as _write
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _params(root: Path, **over):
     return load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), **over})
-
-
-def _rec(ds: str, sid, prompt=(1, 2, 3), output=(4, 5, 2), **kw) -> dict:
-    r = {"dataset": ds, "sample_id": sid, "source": "local", "model": "m", "profile": "smollm2",
-         "prompt_ids": list(prompt), "output_ids": None if output is None else list(output),
-         "ids_exact": output is not None, "finish_reason": "stop"}
-    r.update(kw)
-    return r
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
 
 
 @pytest.fixture

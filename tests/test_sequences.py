@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orjson
 import pytest
 
 from eagle3data.export import ExportError, select_samples
 from eagle3data.mix import MixError, build_mix
 from eagle3data.params import load_params
+from runfiles import make_record as _rec
+from runfiles import write_jsonl as _write
 from eagle3data.sequences import (
     RunFileError,
     latest_records,
@@ -22,19 +23,6 @@ from eagle3data.sequences import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _rec(ds: str, sid, prompt=(1, 2, 3), output=(4, 5, 2), **kw) -> dict:
-    r = {"dataset": ds, "sample_id": sid, "source": "local", "model": "m", "profile": "smollm2",
-         "prompt_ids": list(prompt), "output_ids": None if output is None else list(output),
-         "ids_exact": output is not None, "finish_reason": "stop"}
-    r.update(kw)
-    return r
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
 
 
 @pytest.fixture
