@@ -18,6 +18,7 @@ records), `reconstruct/summary.json`, `reconstruct/drift.json`. The journal is n
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -115,15 +116,21 @@ def _kinds_in(text: str, sp: dict[str, list[str]], pattern: re.Pattern[str]) -> 
     return {kind for kind, texts in sp.items() if found.intersection(texts)}
 
 
-_PATTERNS: dict[tuple[tuple[str, ...], ...], re.Pattern[str]] = {}
+@functools.lru_cache(maxsize=16)
+def _special_pattern_cached(texts: tuple[tuple[str, ...], ...]) -> re.Pattern[str]:
+    """`_special_pattern` compiled once per profile (keyed by its special texts)."""
+    return _special_pattern({str(i): list(v) for i, v in enumerate(texts)})
 
 
-def _special_pattern_cached(sp: dict[str, list[str]]) -> re.Pattern[str]:
-    key = tuple(tuple(v) for v in sp.values())
-    pat = _PATTERNS.get(key)
-    if pat is None:
-        pat = _PATTERNS[key] = _special_pattern(sp)
-    return pat
+# (field, kind of special text found in it, flag), in the order flags are reported
+_TEXT_FLAGS = [
+    ("content", "eot", "content_has_end_of_turn"),
+    ("content", "reasoning", "content_has_reasoning_token"),
+    ("content", "tools", "content_has_tool_call_token"),
+    ("reasoning", "tools", "reasoning_has_tool_call_token"),
+    ("reasoning", "reasoning", "reasoning_has_reasoning_token"),
+    ("reasoning", "eot", "reasoning_has_end_of_turn"),
+]
 
 
 def _call_parts(call: dict[str, Any]) -> tuple[str, str, str | None] | None:
@@ -190,21 +197,9 @@ def _assemble(turn: ApiTurn, profile: Profile, sp: dict[str, list[str]], append_
             calls.append(parts)
     if not (reasoning or content or calls):
         flags.append("empty_output")
-    pattern = _special_pattern_cached(sp)
-    in_content = _kinds_in(content, sp, pattern)
-    in_reasoning = _kinds_in(reasoning, sp, pattern)
-    if "eot" in in_content:
-        flags.append("content_has_end_of_turn")
-    if "reasoning" in in_content:
-        flags.append("content_has_reasoning_token")
-    if "tools" in in_content:
-        flags.append("content_has_tool_call_token")
-    if "tools" in in_reasoning:
-        flags.append("reasoning_has_tool_call_token")
-    if "reasoning" in in_reasoning:
-        flags.append("reasoning_has_reasoning_token")
-    if "eot" in in_reasoning:
-        flags.append("reasoning_has_end_of_turn")
+    pattern = _special_pattern_cached(tuple(tuple(v) for v in sp.values()))
+    found = {"content": _kinds_in(content, sp, pattern), "reasoning": _kinds_in(reasoning, sp, pattern)}
+    flags.extend(flag for field_, kind, flag in _TEXT_FLAGS if kind in found[field_])
 
     segs: list[tuple[str, Token | None]] = []
     if profile.is_reasoning:
