@@ -4,7 +4,8 @@
 journal already holds (resume keyed by `(dataset, sample_id)`; a torn last line is cut off
 and reported), and generates with the backend named in params:
 
-- `local`: batched in-process generation; exact ids.
+- `local`: batched in-process generation; exact ids. A first SIGINT/SIGTERM or a `STOP` file
+  stops after the batch in progress is journaled; a second signal drops that batch.
 - `sglang`: the native `/generate` endpoint with pre-templated `input_ids`; exact ids.
 - `openai`: an OpenAI-compatible `/chat/completions` API (OpenRouter flavour); text records,
   ids rebuilt by 02_reconstruct.
@@ -18,6 +19,7 @@ Headless without papermill: `python -m eagle3data.generate params/x.yaml -p key 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import sys
@@ -162,8 +164,57 @@ def _report_resume(plan: RunPlan, progress: bool) -> None:
                   file=sys.stderr)
 
 
+class _LocalStop:
+    """Stop requests for the local backend, which runs one batch at a time.
+
+    First SIGINT/SIGTERM or a `STOP` file in the run folder: finish and journal the batch in
+    progress, then stop. A second signal raises KeyboardInterrupt inside the batch: it is
+    dropped, everything journaled before it stays.
+    """
+
+    def __init__(self, stop_file: Path):
+        self.stop_file = stop_file
+        self.reason: str | None = None
+        self.cancelled = False
+        self.in_batch = False  # True only while the model generates: journaling is never interrupted
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.reason is None:
+            self.reason = f"{name} received: stopping after the batch in progress"
+            print(f"generate: {self.reason} (send it again to drop that batch)", file=sys.stderr)
+        elif not self.cancelled and self.in_batch:
+            self.reason += f"; second {name}: the batch in progress was dropped"
+            self.cancelled = True
+            raise KeyboardInterrupt(self.reason)
+
+    def requested(self) -> bool:
+        if self.reason is None and self.stop_file.exists():
+            self.reason = f"STOP file {self.stop_file}"
+        return self.reason is not None
+
+    @contextlib.contextmanager
+    def handlers(self):
+        """SIGINT/SIGTERM go to `on_signal` while the run lasts (only the main thread can set them)."""
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self.on_signal)
+        try:
+            yield self
+        finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+
+def _count_skipped(ledger: dict[str, DatasetLedger], p: Prompt) -> None:
+    ledger[p.dataset].skipped += 1
+    ledger[p.dataset].skipped_ids.append(p.sample_id)
+
+
 def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
-               progress: bool) -> int:
+               progress: bool) -> tuple[int, str, str | None]:
+    """Generate the pending samples batch by batch; (new records, status, stop reason)."""
     from tqdm.auto import tqdm
 
     from .backends.local import LocalBackend
@@ -176,39 +227,59 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     counts = params.generate.budget_counts
     new = 0
     if not pending:
-        return 0
+        return 0, "finished", None
     model = model or model_for(params)
     backend = LocalBackend(model, tokenizer, profile, params.generate.sampling, params.generate.batch_size)
     journals: dict[str, Journal] = {}
     bar = tqdm(total=len(pending), desc="generate", unit="sample", disable=not progress)
+    stop = _LocalStop(run_dir / "STOP")
+    bs = params.generate.batch_size
+    done_upto = 0  # pending[:done_upto] is journaled or skipped by a budget
+    chunk: list[tuple[Prompt, list[int]]] = []
     try:
-        bs = params.generate.batch_size
-        for i in range(0, len(pending), bs):
-            chunk = []
-            for p, ids in pending[i: i + bs]:
-                b = budgets.get(p.dataset)
-                if b is not None and ledger[p.dataset].tokens(counts) >= b:
-                    ledger[p.dataset].budget_reached = True
-                    ledger[p.dataset].skipped += 1
-                    ledger[p.dataset].skipped_ids.append(p.sample_id)
-                else:
-                    chunk.append((p, ids))
-            if chunk:
-                results = backend.generate_batch([ids for _, ids in chunk])
-                for (p, ids), res in zip(chunk, results):
-                    rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
-                    j = journals.get(p.dataset) or journals.setdefault(
-                        p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
-                    j.write(rec)
-                    ledger[p.dataset].add_record(rec)
-                    new += 1
-            bar.update(len(pending[i: i + bs]))
-            write_ledger(run_dir, ledger, "running", {"source": "local"})
+        with stop.handlers():
+            for i in range(0, len(pending), bs):
+                if stop.requested():
+                    break
+                chunk = []
+                for p, ids in pending[i: i + bs]:
+                    b = budgets.get(p.dataset)
+                    if b is not None and ledger[p.dataset].tokens(counts) >= b:
+                        ledger[p.dataset].budget_reached = True
+                        _count_skipped(ledger, p)
+                    else:
+                        chunk.append((p, ids))
+                if chunk:
+                    stop.in_batch = True
+                    results = backend.generate_batch([ids for _, ids in chunk])
+                    stop.in_batch = False
+                    for (p, ids), res in zip(chunk, results):
+                        rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
+                        j = journals.get(p.dataset) or journals.setdefault(
+                            p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
+                        j.write(rec)
+                        ledger[p.dataset].add_record(rec)
+                        new += 1
+                chunk = []
+                done_upto = min(i + bs, len(pending))
+                bar.update(len(pending[i: i + bs]))
+                write_ledger(run_dir, ledger, "running", {"source": "local"})
+    except KeyboardInterrupt:
+        if not stop.cancelled:
+            raise  # not ours (e.g. a notebook's interrupt outside the handlers' reach)
+        for p, _ in chunk:  # the batch that was dropped
+            ledger[p.dataset].cancelled += 1
+            ledger[p.dataset].cancelled_ids.append(p.sample_id)
+        done_upto = min(done_upto + bs, len(pending))
     finally:
         bar.close()
         for j in journals.values():
             j.close()
-    return new
+    for p, _ in pending[done_upto:]:  # never sent: a stop came first
+        _count_skipped(ledger, p)
+    if stop.reason is None:
+        return new, "finished", None
+    return new, "cancelled" if stop.cancelled else "stopped", stop.reason
 
 
 def _reserve(params: RunParams, ids: list[int]) -> int:
@@ -320,10 +391,12 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     write_ledger(run_dir, plan.ledger, "running",
                  {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
     if backend == "local":
-        new = _run_local(params, plan, profile, tokenizer, model, progress)
-        write_ledger(run_dir, plan.ledger, "finished", {"source": "local", "stop_reason": None,
-                                                        "torn_tail_bytes_repaired": plan.torn_tail_bytes})
-        return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, new,
+        new, status, reason = _run_local(params, plan, profile, tokenizer, model, progress)
+        write_ledger(run_dir, plan.ledger, status, {"source": "local", "stop_reason": reason,
+                                                    "torn_tail_bytes_repaired": plan.torn_tail_bytes})
+        if reason and progress:
+            print(f"generate {status}: {reason}", file=sys.stderr)
+        return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, new, status, reason,
                                torn_tail_bytes=plan.torn_tail_bytes, responses=new)
     if not plan.pending:
         write_ledger(run_dir, plan.ledger, "finished", {"source": backend, "stop_reason": None})

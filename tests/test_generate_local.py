@@ -1,0 +1,112 @@
+"""01_generate local backend: a graceful stop between batches, a second signal drops the batch in
+progress, and a resumed run finishes every sample exactly once.
+
+The model is a scripted stand-in (fixed output ids, a hook per `generate` call) so each stop
+lands at a known batch; the embedded SmolLM2 run itself is covered by `ci_run` and the notebooks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3data.generate import run_generate
+from eagle3data.ledger import read_ledger
+from eagle3data.params import load_params
+from eagle3data.profiles import SMOLLM2
+from eagle3data.records import scan_journal
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ScriptedModel(torch.nn.Module):
+    """Answers every prompt with the same three ids (the last one end-of-turn); calls `hook(n)` first."""
+
+    def __init__(self, hook=lambda n: None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))  # generate_batch asks for the device
+        self.calls = 0
+        self.hook = hook
+
+    def generate(self, input_ids, attention_mask, **kw):
+        self.calls += 1
+        self.hook(self.calls)
+        out = torch.tensor([[9, 10, SMOLLM2.end_of_turn.id]] * input_ids.shape[0])
+        return torch.cat([input_ids, out], dim=1)
+
+
+@pytest.fixture
+def params(tmp_path):
+    """ci.yaml (2 datasets x 2 prompts) one prompt per batch: four batches."""
+    return load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "generate.batch_size": 1})
+
+
+def ledger_adds_up(led) -> dict[str, int]:
+    """Totals over datasets; asserts every planned sample is done, skipped or cancelled exactly once."""
+    tot = Counter()
+    for d in led["datasets"].values():
+        assert d["done"] + d["errors"] + d["skipped"] + d["cancelled"] == d["planned"] and d["in_flight"] == 0
+        assert len(d["skipped_ids"]) == d["skipped"] and len(d["cancelled_ids"]) == d["cancelled"]
+        tot.update({k: d[k] for k in ("planned", "done", "skipped", "cancelled")})
+    return dict(+tot)  # zero counts left out
+
+
+def journaled(params) -> Counter:
+    keys: Counter = Counter()
+    for path in (params.run_dir / "records").glob("*.jsonl"):
+        scan = scan_journal(path)
+        assert not scan.bad_lines and not scan.torn_tail_bytes
+        keys.update((r["dataset"], r["sample_id"]) for r in scan.records)
+    return keys
+
+
+def test_first_signal_stops_after_the_batch_and_resume_finishes(params, smollm2_tokenizer):
+    before = signal.getsignal(signal.SIGINT)
+    model = ScriptedModel(lambda n: os.kill(os.getpid(), signal.SIGINT) if n == 2 else None)
+    s = run_generate(params, progress=False, model=model, tokenizer=smollm2_tokenizer)
+    assert s.status == "stopped" and "SIGINT" in s.stop_reason
+    assert model.calls == 2 and s.new_records == 2  # the batch in progress was finished and journaled
+    led = read_ledger(params.run_dir)
+    assert led["status"] == "stopped" and "SIGINT" in led["stop_reason"]
+    assert ledger_adds_up(led) == {"planned": 4, "done": 2, "skipped": 2}  # the rest never sent
+    assert signal.getsignal(signal.SIGINT) is before  # handlers put back
+
+    again = run_generate(params, progress=False, model=ScriptedModel(), tokenizer=smollm2_tokenizer)
+    assert again.status == "finished" and again.new_records == 2
+    assert ledger_adds_up(read_ledger(params.run_dir)) == {"planned": 4, "done": 4}
+    keys = journaled(params)
+    assert len(keys) == 4 and set(keys.values()) == {1}  # every sample exactly once
+
+
+def test_second_signal_drops_the_batch_in_progress(params, smollm2_tokenizer):
+    def twice(n):
+        if n == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+    s = run_generate(params, progress=False, model=ScriptedModel(twice), tokenizer=smollm2_tokenizer)
+    assert s.status == "cancelled" and "second SIGINT" in s.stop_reason
+    assert s.new_records == 1 and sum(journaled(params).values()) == 1
+    led = read_ledger(params.run_dir)
+    assert led["status"] == "cancelled"
+    assert ledger_adds_up(led) == {"planned": 4, "done": 1, "cancelled": 1, "skipped": 2}
+
+
+def test_stop_file_stops_after_the_batch(params, smollm2_tokenizer):
+    stop = params.run_dir / "STOP"
+    s = run_generate(params, progress=False, model=ScriptedModel(lambda n: stop.touch() if n == 1 else None),
+                     tokenizer=smollm2_tokenizer)
+    assert s.status == "stopped" and "STOP file" in s.stop_reason and s.new_records == 1
+    led = read_ledger(params.run_dir)
+    assert led["status"] == "stopped" and ledger_adds_up(led) == {"planned": 4, "done": 1, "skipped": 3}
+
+
+def test_an_interrupt_that_is_not_a_stop_request_propagates(params, smollm2_tokenizer):
+    def boom(n):
+        raise KeyboardInterrupt  # e.g. raised by code of the user's, not by our signal handler
+    with pytest.raises(KeyboardInterrupt):
+        run_generate(params, progress=False, model=ScriptedModel(boom), tokenizer=smollm2_tokenizer)
