@@ -141,3 +141,71 @@ def test_unknown_dataset_in_hidden_datasets(run):
         build_mix(run)
     run.hidden.datasets = ["b5_openthoughts"]
     assert {s.dataset for s in build_mix(run).samples} == {"b5_openthoughts"}
+
+
+@pytest.fixture
+def weighted(tmp_path):
+    """Three datasets with 12, 6 and 3 records of 6, 5 and 5-6 tokens (prompt 3 + output)."""
+    p = _params(tmp_path, datasets=[{"name": n, "path": "builtin:b1_glaive"} for n in ("a", "b", "c")])
+    rd = p.run_dir
+    _write(rd / "records" / "a.jsonl", [_rec("a", i, output=(100 + i, 7, 2)) for i in range(12)])
+    _write(rd / "records" / "b.jsonl", [_rec("b", i, output=(200 + i, 2)) for i in range(6)])
+    _write(rd / "records" / "c.jsonl", [_rec("c", i, output=(300 + i,) * (1 + i % 2) + (2,)) for i in range(3)])
+    return p
+
+
+def _count(mix, ds) -> int:
+    return sum(s.dataset == ds for s in mix.samples)
+
+
+def test_sample_weights_give_the_largest_mix_with_those_shares(weighted):
+    weighted.hidden.weight_unit = "samples"
+    weighted.hidden.dataset_weights = {"a": 2, "b": 1, "c": 1}
+    mix = build_mix(weighted, write=False)
+    # c (3 samples, weight 1) is the scarcest: 3 per unit of weight -> a 6, b 3, c 3
+    assert (_count(mix, "a"), _count(mix, "b"), _count(mix, "c")) == (6, 3, 3)
+    assert sum(d["reason"] == "over_weight" for d in mix.dropped) == (12 - 6) + (6 - 3)
+    w = mix.manifest["weights"]
+    assert w["unit"] == "samples" and w["asked"] == {"a": 0.5, "b": 0.25, "c": 0.25} == w["achieved"]
+    assert mix.manifest["settings"]["dataset_weights"] == {"a": 2, "b": 1, "c": 1}
+    again = build_mix(weighted, write=False)
+    assert [s.key for s in again.samples] == [s.key for s in mix.samples]  # seeded: same choice
+
+
+def test_token_weights_hold_within_one_sample(weighted):
+    weighted.hidden.dataset_weights = {"a": 1, "b": 1, "c": 1}  # unit: input tokens
+    mix = build_mix(weighted, write=False)
+    tokens = {ds: sum(len(s.input_ids) for s in mix.samples if s.dataset == ds) for ds in "abc"}
+    # c: prompt 3 + outputs 2, 3, 2 = 16 tokens, the scarcest; a (6 per sample) and b (5) are cut to fit 16
+    assert tokens["c"] == 16 and _count(mix, "c") == 3
+    assert (tokens["a"], tokens["b"]) == (12, 15)  # short of 16 by less than one sample each
+    assert mix.manifest["weights"]["amount"] == tokens
+
+
+def test_weights_interact_with_caps_and_zero_leaves_a_dataset_out(weighted):
+    weighted.hidden.weight_unit = "samples"
+    weighted.hidden.dataset_caps = {"a": 2}
+    weighted.hidden.dataset_weights = {"a": 1, "b": 1, "c": 0}
+    mix = build_mix(weighted, write=False)
+    assert (_count(mix, "a"), _count(mix, "b"), _count(mix, "c")) == (2, 2, 0)
+    reasons = mix.manifest["dropped_counts"]
+    assert reasons["a"] == {"over_cap": 10} and reasons["b"] == {"over_weight": 4} and reasons["c"] == {
+        "over_weight": 3}
+
+
+def test_weights_must_name_every_dataset_and_leave_something(weighted):
+    weighted.hidden.dataset_weights = {"a": 1, "b": 1}
+    with pytest.raises(MixError, match=r"no weight for \['c'\]"):
+        build_mix(weighted, write=False)
+    weighted.hidden.dataset_caps = {"c": 0}
+    weighted.hidden.dataset_weights = {"a": 1, "b": 1, "c": 1}
+    with pytest.raises(MixError, match=r"gives \['c'\] a share"):
+        build_mix(weighted, write=False)
+
+
+@pytest.mark.parametrize("weights, message", [({"a": -1}, "finite and >= 0"), ({"a": 0, "b": 0}, "all 0")])
+def test_bad_weights_are_params_errors(tmp_path, weights, message):
+    from eagle3data.params import ParamsError
+
+    with pytest.raises(ParamsError, match=message):
+        _params(tmp_path, **{"hidden.dataset_weights": weights})

@@ -2,7 +2,8 @@
 
 `build_mix(params)` reads the run's records (exact ids from 01, rebuilt ids for API records
 from 02's `reconstruct/<dataset>.jsonl`), keeps only records that passed 03's audit (unless
-`hidden.include_failed`), drops duplicates, applies per-dataset caps, shuffles with a seed,
+`hidden.include_failed`), drops duplicates, applies per-dataset caps, then per-dataset weights (the largest mix whose
+datasets hold the asked shares of tokens or samples, no sample repeated), shuffles with a seed,
 and writes `hidden/mix.parquet` (one row per sample: ids, loss mask, provenance) plus
 `hidden/mix_manifest.json` (counts and tokens per dataset and source; every drop and its
 reason). The result is deterministic: the same records and params give the same mix.
@@ -42,6 +43,7 @@ DROP_REASONS = {
     "duplicate_key": "(dataset, sample_id) journaled again later: only the last journaled record counts",
     "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
     "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
+    "over_weight": "beyond the dataset's share (hidden.dataset_weights), chosen by the seeded shuffle",
 }
 
 
@@ -118,7 +120,7 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
     run_dir = params.run_dir
     verdicts = read_verdicts(run_dir, error=MixError)
     dropped: list[dict[str, Any]] = []
-    kept: list[Sample] = []
+    per_dataset: dict[str, list[Sample]] = {}
     seen_ids: dict[bytes, str] = {}
     records_read = 0
 
@@ -180,15 +182,67 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
                 if i not in pick:
                     drop(s, "over_cap")
             uniq = [s for i, s in enumerate(uniq) if i in pick]
-        kept.extend(uniq)
+        per_dataset[name] = uniq
 
+    shares = _apply_weights(params, per_dataset, drop) if hp.dataset_weights else None
+    kept = [s for name in per_dataset for s in per_dataset[name]]
     order = np.random.default_rng(hp.seed).permutation(len(kept))
     samples = [kept[i] for i in order]
-    manifest = _manifest(params, samples, dropped, verdicts is not None, records_read)
+    manifest = _manifest(params, samples, dropped, verdicts is not None, records_read, shares)
     mix = Mix(samples, manifest, dropped=dropped)
     if write:
         mix.path = write_mix(mix, hidden_dir(params))
     return mix
+
+
+def _size(s: Sample, unit: str) -> int:
+    """A sample's amount in `hidden.weight_unit`."""
+    if unit == "samples":
+        return 1
+    return len(s.input_ids) if unit == "tokens" else int(sum(s.loss_mask))
+
+
+def _apply_weights(params: RunParams, per_dataset: dict[str, list[Sample]], drop: Any) -> dict[str, Any]:
+    """Cut each dataset to its share of the largest mix that meets `hidden.dataset_weights`.
+
+    With amounts A_i (after caps) and weights w_i, the mix holds T * w_i of dataset i where
+    T = min over w_i > 0 of A_i / w_i: the scarcest dataset for its weight is kept whole, the
+    others are cut (a seeded choice: the longest prefix of a shuffle that fits). Nothing is
+    repeated; the trainer can still oversample. Returns the asked and achieved shares.
+    """
+    hp = params.hidden
+    unit, weights = hp.weight_unit, hp.dataset_weights
+    missing = [n for n in per_dataset if n not in weights]
+    if missing:
+        raise MixError(f"hidden.dataset_weights has no weight for {missing} (datasets in the mix: "
+                       f"{list(per_dataset)}): give every one a weight, 0 to leave it out")
+    amount = {n: sum(_size(s, unit) for s in ss) for n, ss in per_dataset.items()}
+    empty = [n for n in per_dataset if weights[n] > 0 and amount[n] == 0]
+    if empty:
+        raise MixError(f"hidden.dataset_weights gives {empty} a share, but no samples of theirs are left after "
+                       "the filters and caps: the weighted mix would be empty. Set their weight to 0.")
+    scale = min(amount[n] / weights[n] for n in per_dataset if weights[n] > 0)
+    for n, ss in per_dataset.items():
+        target = scale * weights[n] * (1 + 1e-9)  # the scarcest dataset's own total must fit
+        rng = np.random.default_rng([hp.seed, _name_seed(n), 1])
+        keep, used = set(), 0
+        for i in rng.permutation(len(ss)).tolist():
+            size = _size(ss[i], unit)
+            if used + size > target:
+                break
+            keep.add(i)
+            used += size
+        for i, s in enumerate(ss):
+            if i not in keep:
+                drop(s, "over_weight")
+        per_dataset[n] = [s for i, s in enumerate(ss) if i in keep]
+    total_w = sum(weights[n] for n in per_dataset)
+    got = {n: sum(_size(s, unit) for s in ss) for n, ss in per_dataset.items()}
+    total = sum(got.values()) or 1
+    return {"unit": unit,
+            "asked": {n: weights[n] / total_w for n in per_dataset},
+            "achieved": {n: got[n] / total for n in per_dataset},
+            "amount": got}
 
 
 def _sort_key(sid: str) -> tuple[int, Any]:
@@ -200,7 +254,7 @@ def _name_seed(name: str) -> int:
 
 
 def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, Any]], audited: bool,
-              records_read: int) -> dict[str, Any]:
+              records_read: int, shares: dict[str, Any] | None) -> dict[str, Any]:
     hp = params.hidden
     per: dict[str, dict[str, Any]] = {}
     for s in samples:
@@ -232,10 +286,12 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
             if audited
             else "no audit/verdicts.jsonl (03_audit has not run): NO audit filter applied"
         ),
-        "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "datasets": _chosen(params),
+        "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "dataset_weights": hp.dataset_weights,
+                     "weight_unit": hp.weight_unit, "datasets": _chosen(params),
                      "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
                      "dedupe": hp.dedupe},
         "datasets": per,
+        "weights": shares,
         "dropped_counts": drops,
         "drop_reasons": {k: DROP_REASONS[k] for k in sorted({d["reason"] for d in dropped})},
         "dropped": dropped,

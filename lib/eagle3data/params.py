@@ -8,6 +8,7 @@ validation. Secrets never live here: params name the environment variable that h
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -160,6 +161,15 @@ class HiddenParams(Strict):
     include_failed: bool = Field(False, description="Also extract records that failed the audit.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Dtype on disk.")
     dataset_caps: dict[str, int] = Field(default_factory=dict, description="Most samples per dataset in the mix.")
+    dataset_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Relative share of the mix per dataset, in `weight_unit`, applied after the caps: the largest "
+                    "mix that meets the shares without repeating a sample. Once given, every dataset in the mix "
+                    "needs one; 0 leaves a dataset out.",
+    )
+    weight_unit: Literal["tokens", "loss_tokens", "samples"] = Field(
+        "tokens", description="What dataset_weights share out: input tokens, trained (loss-mask) tokens, or samples."
+    )
     seed: int = Field(0, description="Seed of the training-mix shuffle.")
     datasets: list[str] | None = Field(None, description="Datasets in the mix (None = every dataset of the run).")
     drop_truncated: bool = Field(
@@ -181,6 +191,16 @@ class HiddenParams(Strict):
         bad = {k: n for k, n in v.items() if n < 0}
         if bad:
             raise ValueError(f"dataset caps must be >= 0, got {bad}")
+        return v
+
+    @field_validator("dataset_weights")
+    @classmethod
+    def _usable_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: w for k, w in v.items() if not (w >= 0 and math.isfinite(w))}
+        if bad:
+            raise ValueError(f"dataset weights must be finite and >= 0, got {bad}")
+        if v and not any(v.values()):
+            raise ValueError("dataset weights are all 0: the mix would be empty")
         return v
 
 
