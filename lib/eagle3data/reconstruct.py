@@ -297,8 +297,11 @@ def _byte_table(bt: Any) -> list[bytes] | None:
     whole vocabulary, in one batch): then the caller uses `decode_batch`.
     """
     from tokenizers import decoders
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # the GPT-2 byte alphabet
+    except ImportError:  # moved in some transformers version: decode_batch still works
+        return None
     if not isinstance(bt.decoder, decoders.ByteLevel):
         return None
     byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
