@@ -198,6 +198,9 @@ class LoopbackServer:
             return conn.send(402, b'{"error":{"code":402,"message":"Insufficient credits"}}')
         if fault == "401":
             return conn.send(401, b'{"error":{"code":401,"message":"No auth credentials found"}}')
+        if fault == "404":  # what OpenRouter answers when routing leaves no endpoint
+            return conn.send(404, b'{"error":{"code":404,"message":"No endpoints found matching your provider '
+                                  b'preferences"}}')
         if fault == "500":
             return self._later(self._delay(), conn.send, 500, b'{"error":{"code":500,"message":"upstream failed"}}')
         if fault == "slow":

@@ -254,6 +254,22 @@ def test_402_stops_dispatch_and_keeps_completed(tmp_path, smollm2_tokenizer):
     assert led["datasets"]["d0"]["skipped"] == 7 and "402" in led["stop_reason"]
 
 
+@pytest.mark.parametrize("fault, words", [("401", "key refused"), ("404", "provider routing")])
+def test_key_refused_or_no_endpoint_stops_dispatch(tmp_path, smollm2_tokenizer, fault, words):
+    """Answers every later request would repeat stop the run at once instead of writing an error per sample."""
+    with LoopbackServer("openai") as srv:
+        srv.faults.extend(["ok", "ok"])
+        srv.always = fault
+        params = make_params(tmp_path, srv, n=8, **{"generate.concurrency": 1})
+        s = run_generate(params, progress=False, tokenizer=smollm2_tokenizer)
+        n_req = len([r for r in srv.requests if r["path"] == "/chat/completions"])
+    assert s.status == "stopped" and f"HTTP {fault}" in s.stop_reason and words in s.stop_reason
+    assert n_req == 3
+    assert len(records(params)) == 2  # the error is in the ledger, not journaled per sample
+    led = assert_adds_up(params)
+    assert led["datasets"]["d0"]["skipped"] == 6
+
+
 def test_credit_below_cost_cap_refuses_to_start(tmp_path, smollm2_tokenizer):
     with LoopbackServer("openai", credit=1.0) as srv:
         params = make_params(tmp_path, srv, n=2, **{"generate.cost_cap_usd": 5.0})

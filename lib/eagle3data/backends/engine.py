@@ -357,6 +357,9 @@ class Engine:
                     raise _StopDispatch(f"HTTP 402 from the API (out of credits): {msg}")
                 if status in (401, 403):
                     raise _StopDispatch(f"HTTP {status} from the API (key refused): {msg}")
+                if status == 404:  # every later request would get the same answer
+                    raise _StopDispatch(f"HTTP 404 from the API (no such endpoint or model, or provider routing "
+                                        f"leaves none: check base_url, model and provider params): {msg}")
                 if status == 408 or status >= 500:
                     problem = f"HTTP {status}: {msg}"
                 else:
