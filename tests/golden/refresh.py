@@ -50,9 +50,31 @@ def main(names: list[str]) -> None:
         if names and name not in names:
             continue
         print(f"golden {name}")
-        pm.execute_notebook(str(REPO / "notebooks" / f"{stage}.ipynb"), str(GOLDEN / f"{name}.ipynb"),
+        out = GOLDEN / f"{name}.ipynb"
+        pm.execute_notebook(str(REPO / "notebooks" / f"{stage}.ipynb"), str(out),
                             parameters={"params_file": params_file, "overrides": {}}, kernel_name="python3",
                             cwd=str(REPO), progress_bar=False)
+        stabilize(out)
+
+
+def stabilize(path: Path) -> None:
+    """Drop what changes on every execution and is never compared, so a refresh diff shows only real changes.
+
+    Per cell: papermill's timings and the kernel's execution timestamps; the injected
+    parameters cell gets a fixed id instead of a random one. Notebook-level: papermill's run
+    record and the widget state (progress bars' model ids). nbval compares outputs only.
+    """
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata.pop("widgets", None)
+    nb.metadata.pop("papermill", None)
+    for cell in nb.cells:
+        cell.metadata.pop("papermill", None)
+        cell.metadata.pop("execution", None)
+        if "injected-parameters" in cell.metadata.get("tags", []):
+            cell.id = "injected-parameters"
+    nbformat.write(nb, path)
 
 
 if __name__ == "__main__":
