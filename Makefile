@@ -46,7 +46,7 @@ lab: model ## start JupyterLab on the registered eagle3data kernel, opening note
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 notebooks: $(STAMP) ## regenerate notebooks/*.ipynb from their jupytext .py sources (outputs stripped)
-	$(BIN)/jupytext --to ipynb notebooks/[0-9]*.py notebooks/_template.py
+	$(BIN)/jupytext --update --to ipynb notebooks/[0-9]*.py notebooks/_template.py
 
 golden: model ## re-execute the nbval golden notebooks (tests/golden/) on the fixture runs; read the diff before committing
 	$(BIN)/python tests/golden/refresh.py

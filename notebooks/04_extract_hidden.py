@@ -46,6 +46,13 @@ mix = build_mix(P)
 print(mix.manifest["audit_note"])
 mix.table()
 
+# %% [markdown]
+# Shares per dataset when `hidden.dataset_weights` is set (empty otherwise): the largest mix that
+# holds them without repeating a sample.
+
+# %%
+mix.weights_table()
+
 # %%
 mix.dropped_table()
 

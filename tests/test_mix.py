@@ -66,6 +66,7 @@ def test_exact_and_rebuilt_ids_and_drop_reasons(run):
     assert m["audit_applied"] is False and "NO audit filter" in m["audit_note"]
     assert mix.table()["samples"].sum() == 5
     assert int(mix.dropped_table()["records"].sum()) == 4
+    assert mix.weights_table().empty  # no weights asked
 
 
 def test_audit_verdicts_filter_unless_include_failed(run):
@@ -168,6 +169,8 @@ def test_sample_weights_give_the_largest_mix_with_those_shares(weighted):
     w = mix.manifest["weights"]
     assert w["unit"] == "samples" and w["asked"] == {"a": 0.5, "b": 0.25, "c": 0.25} == w["achieved"]
     assert mix.manifest["settings"]["dataset_weights"] == {"a": 2, "b": 1, "c": 1}
+    t = mix.weights_table()
+    assert t.loc["a", "weight"] == 2 and t.loc["a", "achieved_share"] == 0.5 and t.loc["c", "amount (samples)"] == 3
     again = build_mix(weighted, write=False)
     assert [s.key for s in again.samples] == [s.key for s in mix.samples]  # seeded: same choice
 

@@ -104,6 +104,19 @@ class Mix:
             return pd.DataFrame(columns=["samples", "tokens", "loss_tokens"])
         return pd.DataFrame(rows).groupby(["dataset", "source", "ids_exact"]).sum()
 
+    def weights_table(self):
+        """Per dataset: weight, asked and achieved share, and amount kept in `hidden.weight_unit` (empty if unweighted)."""
+        import pandas as pd
+
+        w = self.manifest.get("weights")
+        cols = ["weight", "asked_share", "achieved_share", "amount"]
+        if not w:
+            return pd.DataFrame(columns=cols).rename_axis("dataset")
+        weights = self.manifest["settings"]["dataset_weights"]
+        rows = {n: [weights[n], w["asked"][n], w["achieved"][n], w["amount"][n]] for n in w["asked"]}
+        df = pd.DataFrame.from_dict(rows, orient="index", columns=cols).rename_axis("dataset")
+        return df.rename(columns={"amount": f"amount ({w['unit']})"})
+
     def dropped_table(self):
         """Per dataset: how many records each reason kept out."""
         import pandas as pd
