@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .ledger import DatasetLedger, ledger_frame, provider_frame, read_ledger, write_ledger
 from .params import RunParams
@@ -142,8 +142,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 continue
             ids = template_prompt(tokenizer, p, profile)
             if max_ctx is not None and len(ids) >= max_ctx:
-                led.skipped += 1
-                led.skipped_ids.append(p.sample_id)
+                led.skip(p.sample_id)
                 led.rejected_prompt_lines.append(
                     f"{name}:{p.sample_id}: prompt of {len(ids)} tokens reaches model.max_context {max_ctx}")
                 continue
@@ -162,6 +161,23 @@ def _report_resume(plan: RunPlan, progress: bool) -> None:
         if resumed:
             print(f"resume: {resumed:,} samples already in the journal; {len(plan.pending):,} to generate",
                   file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _stop_signals(handler: Any) -> Iterator[None]:
+    """SIGINT/SIGTERM go to `handler(signum, frame)` while the run lasts, then back to what they were.
+
+    Only the main thread can set signal handlers; elsewhere (a worker thread) nothing is changed.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
 
 
 class _LocalStop:
@@ -193,23 +209,6 @@ class _LocalStop:
             self.reason = f"STOP file {self.stop_file}"
         return self.reason is not None
 
-    @contextlib.contextmanager
-    def handlers(self):
-        """SIGINT/SIGTERM go to `on_signal` while the run lasts (only the main thread can set them)."""
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, self.on_signal)
-        try:
-            yield self
-        finally:
-            for sig, h in previous.items():
-                signal.signal(sig, h)
-
-
-def _count_skipped(ledger: dict[str, DatasetLedger], p: Prompt) -> None:
-    ledger[p.dataset].skipped += 1
-    ledger[p.dataset].skipped_ids.append(p.sample_id)
 
 
 def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
@@ -237,7 +236,7 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     done_upto = 0  # pending[:done_upto] is journaled or skipped by a budget
     chunk: list[tuple[Prompt, list[int]]] = []
     try:
-        with stop.handlers():
+        with _stop_signals(stop.on_signal):
             for i in range(0, len(pending), bs):
                 if stop.requested():
                     break
@@ -246,7 +245,7 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
                     b = budgets.get(p.dataset)
                     if b is not None and ledger[p.dataset].tokens(counts) >= b:
                         ledger[p.dataset].budget_reached = True
-                        _count_skipped(ledger, p)
+                        ledger[p.dataset].skip(p.sample_id)
                     else:
                         chunk.append((p, ids))
                 if chunk:
@@ -268,15 +267,14 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
         if not stop.cancelled:
             raise  # not ours (e.g. a notebook's interrupt outside the handlers' reach)
         for p, _ in chunk:  # the batch that was dropped
-            ledger[p.dataset].cancelled += 1
-            ledger[p.dataset].cancelled_ids.append(p.sample_id)
+            ledger[p.dataset].cancel(p.sample_id)
         done_upto = min(done_upto + bs, len(pending))
     finally:
         bar.close()
         for j in journals.values():
             j.close()
     for p, _ in pending[done_upto:]:  # never sent: a stop came first
-        _count_skipped(ledger, p)
+        ledger[p.dataset].skip(p.sample_id)
     if stop.reason is None:
         return new, "finished", None
     return new, "cancelled" if stop.cancelled else "stopped", stop.reason
@@ -353,18 +351,8 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
 
     async def main():
         loop = asyncio.get_running_loop()
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            def handler(signum, frame):
-                loop.call_soon_threadsafe(engine.on_signal, signum)
-
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, handler)
-        try:
+        with _stop_signals(lambda signum, frame: loop.call_soon_threadsafe(engine.on_signal, signum)):
             return await engine.run()
-        finally:
-            for sig, h in previous.items():
-                signal.signal(sig, h)
 
     return _run_async(main())
 

@@ -71,6 +71,16 @@ class DatasetLedger:
             if key is not None and key in book:
                 book[key]["errors"] -= 1
 
+    def skip(self, sample_id: Any) -> None:
+        """Count a sample that was never sent (budget, stop, rejected prompt)."""
+        self.skipped += 1
+        self.skipped_ids.append(sample_id)
+
+    def cancel(self, sample_id: Any) -> None:
+        """Count a sample whose work was cut while in progress."""
+        self.cancelled += 1
+        self.cancelled_ids.append(sample_id)
+
     def tokens(self, counts: str = "total") -> int:
         """Tokens counted against the budget: prompt+completion, or completion only."""
         return self.completion_tokens + (self.prompt_tokens if counts == "total" else 0)

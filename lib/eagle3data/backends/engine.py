@@ -379,16 +379,12 @@ class Engine:
                 self._commit(job, rec)
         except asyncio.CancelledError:
             for j in jobs:
-                led = self.ledger[j.dataset]
-                led.cancelled += 1
-                led.cancelled_ids.append(j.sample_id)
+                self.ledger[j.dataset].cancel(j.sample_id)
             raise
         except _StopDispatch as e:
             self.request_stop(str(e), grace=False)
             for j in jobs:
-                led = self.ledger[j.dataset]
-                led.skipped += 1
-                led.skipped_ids.append(j.sample_id)
+                self.ledger[j.dataset].skip(j.sample_id)
         finally:
             for j in jobs:
                 self.reserved[j.dataset] -= j.reserve
@@ -398,17 +394,12 @@ class Engine:
             self._wake.set()
 
     # -- loops ---------------------------------------------------------------------------
-    def _skip(self, job: Job) -> None:
-        led = self.ledger[job.dataset]
-        led.skipped += 1
-        led.skipped_ids.append(job.sample_id)
-
     def _ready(self, job: Job) -> bool:
         """Template the job if it is not yet (see `prepare`); False when it must not be sent."""
         if job.prompt_ids is None and job.rejected is None and self.prepare is not None:
             self.prepare(job)
         if job.rejected is not None:
-            self._skip(job)
+            self.ledger[job.dataset].skip(job.sample_id)
             self.ledger[job.dataset].rejected_prompt_lines.append(job.rejected)
             return False
         return True
@@ -449,7 +440,7 @@ class Engine:
                     continue
                 if not self._budget_left(job.dataset):
                     self.ledger[job.dataset].budget_reached = True
-                    self._skip(job)
+                    self.ledger[job.dataset].skip(job.sample_id)
                     continue
                 self.reserved[job.dataset] += job.reserve
                 self.ledger[job.dataset].in_flight += 1
@@ -463,7 +454,7 @@ class Engine:
             if len(self._tasks) % 256 == 0:
                 await asyncio.sleep(0)  # let responses in while a large first wave goes out
         for job in jobs[i:]:
-            self._skip(job)
+            self.ledger[job.dataset].skip(job.sample_id)
 
     def _status_line(self, final: bool = False) -> str:
         now = time.monotonic()
