@@ -2,9 +2,9 @@
 
 `build_mix(params)` reads the run's records (exact ids from 01, rebuilt ids for API records
 from 02's `reconstruct/<dataset>.jsonl`), keeps only records that passed 03's audit (unless
-`hidden.include_failed`), drops duplicates, applies per-dataset caps, then per-dataset weights (the largest mix whose
-datasets hold the asked shares of tokens or samples, no sample repeated), shuffles with a seed,
-and writes `hidden/mix.parquet` (one row per sample: ids, loss mask, provenance) plus
+`hidden.include_failed`), drops duplicates, applies per-dataset caps, then per-dataset weights
+(the largest mix whose datasets hold the asked shares of tokens or samples, no sample
+repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample: ids, loss mask, provenance) plus
 `hidden/mix_manifest.json` (counts and tokens per dataset and source; every drop and its
 reason). The result is deterministic: the same records and params give the same mix.
 """
@@ -190,11 +190,7 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
         cap = hp.dataset_caps.get(name)
         if cap is not None and len(uniq) > cap:
             rng = np.random.default_rng([hp.seed, _name_seed(name)])
-            pick = set(rng.permutation(len(uniq))[:cap].tolist())
-            for i, s in enumerate(uniq):
-                if i not in pick:
-                    drop(s, "over_cap")
-            uniq = [s for i, s in enumerate(uniq) if i in pick]
+            uniq = _keep_only(uniq, set(rng.permutation(len(uniq))[:cap].tolist()), "over_cap", drop)
         per_dataset[name] = uniq
 
     shares = _apply_weights(params, per_dataset, drop) if hp.dataset_weights else None
@@ -229,33 +225,39 @@ def _apply_weights(params: RunParams, per_dataset: dict[str, list[Sample]], drop
     if missing:
         raise MixError(f"hidden.dataset_weights has no weight for {missing} (datasets in the mix: "
                        f"{list(per_dataset)}): give every one a weight, 0 to leave it out")
-    amount = {n: sum(_size(s, unit) for s in ss) for n, ss in per_dataset.items()}
+    sizes = {n: [_size(s, unit) for s in ss] for n, ss in per_dataset.items()}
+    amount = {n: sum(sz) for n, sz in sizes.items()}
     empty = [n for n in per_dataset if weights[n] > 0 and amount[n] == 0]
     if empty:
         raise MixError(f"hidden.dataset_weights gives {empty} a share, but no samples of theirs are left after "
                        "the filters and caps: the weighted mix would be empty. Set their weight to 0.")
     scale = min(amount[n] / weights[n] for n in per_dataset if weights[n] > 0)
+    got: dict[str, int] = {}
     for n, ss in per_dataset.items():
         target = scale * weights[n] * (1 + 1e-9)  # the scarcest dataset's own total must fit
         rng = np.random.default_rng([hp.seed, _name_seed(n), 1])
         keep, used = set(), 0
         for i in rng.permutation(len(ss)).tolist():
-            size = _size(ss[i], unit)
-            if used + size > target:
+            if used + sizes[n][i] > target:
                 break
             keep.add(i)
-            used += size
-        for i, s in enumerate(ss):
-            if i not in keep:
-                drop(s, "over_weight")
-        per_dataset[n] = [s for i, s in enumerate(ss) if i in keep]
+            used += sizes[n][i]
+        per_dataset[n] = _keep_only(ss, keep, "over_weight", drop)
+        got[n] = used
     total_w = sum(weights[n] for n in per_dataset)
-    got = {n: sum(_size(s, unit) for s in ss) for n, ss in per_dataset.items()}
     total = sum(got.values()) or 1
     return {"unit": unit,
             "asked": {n: weights[n] / total_w for n in per_dataset},
             "achieved": {n: got[n] / total for n in per_dataset},
             "amount": got}
+
+
+def _keep_only(samples: list[Sample], keep: set[int], reason: str, drop: Any) -> list[Sample]:
+    """The samples whose index is in `keep`, in order; the others are dropped with `reason`."""
+    for i, s in enumerate(samples):
+        if i not in keep:
+            drop(s, reason)
+    return [s for i, s in enumerate(samples) if i in keep]
 
 
 def _sort_key(sid: str) -> tuple[int, Any]:
