@@ -4,9 +4,9 @@
 from 02's `reconstruct/<dataset>.jsonl`), keeps only records that passed 03's audit (unless
 `hidden.include_failed`), drops duplicates, applies per-dataset caps, then per-dataset weights
 (the largest mix whose datasets hold the asked shares of tokens or samples, no sample
-repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample: ids, loss mask, provenance) plus
-`hidden/mix_manifest.json` (counts and tokens per dataset and source; every drop and its
-reason). The result is deterministic: the same records and params give the same mix.
+repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample: ids,
+loss mask, provenance) plus `hidden/mix_manifest.json` (counts and tokens per dataset and
+source; every drop and its reason). The result is deterministic: the same records and params give the same mix.
 """
 
 from __future__ import annotations
