@@ -108,7 +108,6 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
     bad: list[str] = []
     budgets = {d.name: d.token_budget for d in params.datasets}
     retry_errors = params.generate.retry_errors
-    max_ctx = params.model.max_context
     for name, ps in sets.items():
         led = ledger[name] = DatasetLedger(planned=len(ps.prompts), rejected_prompt_lines=list(ps.skipped),
                                            budget_tokens=budgets.get(name))
@@ -141,10 +140,10 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 pending.append((p, None))
                 continue
             ids = template_prompt(tokenizer, p, profile)
-            if max_ctx is not None and len(ids) >= max_ctx:
+            too_long = _too_long(params, name, p.sample_id, ids)
+            if too_long:
                 led.skip(p.sample_id)
-                led.rejected_prompt_lines.append(
-                    f"{name}:{p.sample_id}: prompt of {len(ids)} tokens reaches model.max_context {max_ctx}")
+                led.rejected_prompt_lines.append(too_long)
                 continue
             pending.append((p, ids))
     return RunPlan(ledger, pending, done_keys, torn, bad)
@@ -295,17 +294,22 @@ def _jobs(params: RunParams, plan: RunPlan) -> list:
     return jobs
 
 
+def _too_long(params: RunParams, dataset: str, sample_id: Any, ids: list[int]) -> str | None:
+    """Why a templated prompt is not sent (it reaches model.max_context), or None."""
+    max_ctx = params.model.max_context
+    if max_ctx is not None and len(ids) >= max_ctx:
+        return f"{dataset}:{sample_id}: prompt of {len(ids)} tokens reaches model.max_context {max_ctx}"
+    return None
+
+
 def _preparer(params: RunParams, tokenizer: Any, profile: Any):
     """The engine's `prepare`: template a job's prompt; reject it when it reaches model.max_context."""
-    max_ctx = params.model.max_context
 
     def prepare(job: Any) -> None:
         ids = template_prompt(tokenizer, job.prompt, profile)
-        if max_ctx is not None and len(ids) >= max_ctx:
-            job.rejected = (f"{job.dataset}:{job.sample_id}: prompt of {len(ids)} tokens reaches "
-                            f"model.max_context {max_ctx}")
-            return
-        job.prompt_ids, job.reserve = ids, _reserve(params, ids)
+        job.rejected = _too_long(params, job.dataset, job.sample_id, ids)
+        if job.rejected is None:
+            job.prompt_ids, job.reserve = ids, _reserve(params, ids)
 
     return prepare
 
