@@ -27,6 +27,7 @@ from eagle3data.records import Record, scan_journal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
+from runfiles import assert_ledger_adds_up  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_ENV = "EAGLE3DATA_TEST_KEY"
@@ -78,12 +79,7 @@ def records(params, dataset: str = "d0") -> list[dict]:
 
 
 def assert_adds_up(params) -> dict:
-    led = read_ledger(params.run_dir)
-    for name, d in led["datasets"].items():
-        assert d["in_flight"] == 0, name
-        assert d["done"] + d["errors"] + d["skipped"] + d["cancelled"] == d["planned"], (name, d)
-        assert len(d["skipped_ids"]) == d["skipped"] and len(d["cancelled_ids"]) == d["cancelled"]
-    return led
+    return assert_ledger_adds_up(params.run_dir)
 
 
 # -- normal runs ---------------------------------------------------------------------------------
