@@ -58,10 +58,10 @@ def timed(fn):
 
 def bench_vocab(name: str, tok, profile, turns, reencode: bool = True) -> dict:
     """Baseline and rebuild+verify timed in alternating rounds on the same texts; best of ROUNDS each."""
-    from eagle3data.reconstruct import BYTE_TABLE_MIN_RECORDS, _byte_table, assemble, rebuild_batch
+    from eagle3data.reconstruct import BYTE_TABLE_MIN_RECORDS, _byte_table, _join, assemble, rebuild_batch
 
     bt = tok.backend_tokenizer  # both sides use this `tokenizers.Tokenizer`
-    texts = ["".join(s for s, _ in assemble(t, profile)[0]) for t in turns]
+    texts = [_join(assemble(t, profile)[0])[0] for t in turns]  # the texts rebuild_batch encodes
 
     def baseline():
         return [e.ids for e in bt.encode_batch(texts, add_special_tokens=False)]
