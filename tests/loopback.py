@@ -1,4 +1,5 @@
-"""Loopback HTTP servers on 127.0.0.1 speaking SGLang `/generate` and OpenRouter `/chat/completions`.
+"""Loopback HTTP servers on 127.0.0.1 speaking SGLang `/generate`, vLLM `/v1/completions` and OpenRouter
+`/chat/completions`.
 
 A raw asyncio HTTP/1.1 server (keep-alive, Content-Length bodies), cheap enough to answer
 thousands of requests per second on one core, so that it is never the bottleneck of the
@@ -10,6 +11,11 @@ Faults: `429` (with Retry-After), `402`, `401`, `500`, `slow` (answers after `sl
 `malformed` (200 with a body that is not JSON), `truncated` (Content-Length larger than
 what is sent, then close), `eot` (content already holds the end-of-turn text), `error200`
 (HTTP 200 with finish_reason "error"). A model mismatch is `LoopbackServer(model_path=...)`.
+vLLM only: `abort` (finish_reason "abort"), `prompt_changed` (prompt_token_ids differ from the
+prompt sent), `no_token_ids` (a server without return_token_ids: choices carry text only).
+
+TLS: `LoopbackServer(..., ssl_context=ctx)` (or `--tls-cert/--tls-key`); `--http2` serves HTTP/2
+over TLS (ALPN h2, through the `h2` library) instead of HTTP/1.1, for the client benchmark.
 
 Use in tests: `with LoopbackServer("openai") as srv: srv.base_url ...`. As a process (for the
 bench): `python tests/loopback.py --kind openai --latency 4 --port 0` prints `PORT <n>`.
@@ -49,6 +55,9 @@ class _Conn(asyncio.Protocol):
         self.buf = b""
         self.t: asyncio.Transport | None = None
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.t = None
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.t = transport  # type: ignore[assignment]
 
@@ -68,7 +77,11 @@ class _Conn(asyncio.Protocol):
                 return
             body = self.buf[i + 4: i + 4 + n]
             self.buf = self.buf[i + 4 + n:]
-            method, path, _ = head[0].split(" ", 2)
+            parts = head[0].split(" ", 2)
+            if len(parts) != 3 or not parts[2].startswith("HTTP/1"):  # not HTTP/1.x (e.g. an HTTP/2 preface)
+                self.t.close()
+                return
+            method, path, _ = parts
             self.server._handle(self, method, path.split("?", 1)[0], body)
 
     def send(self, status: int, body: bytes, headers: dict[str, str] | None = None, truncate: bool = False) -> None:
@@ -85,15 +98,121 @@ class _Conn(asyncio.Protocol):
             t.write(head + body)
 
 
+class _H2Stream:
+    """What `_handle` answers through for one HTTP/2 stream (the same `send` as an HTTP/1.1 connection)."""
+
+    def __init__(self, conn: "_H2Conn", stream_id: int):
+        self.conn, self.stream_id = conn, stream_id
+
+    def send(self, status: int, body: bytes, headers: dict[str, str] | None = None, truncate: bool = False) -> None:
+        self.conn.respond(self.stream_id, status, body, headers or {}, truncate)
+
+
+class _H2Conn(asyncio.Protocol):
+    """HTTP/2 (RFC 9113, through `h2`) over one TLS connection: many streams, flow control honoured."""
+
+    def __init__(self, server: "LoopbackServer"):
+        import h2.config
+        import h2.connection
+
+        self.server = server
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+        self.t: asyncio.Transport | None = None
+        self.streams: dict[int, tuple[dict[str, str], bytearray]] = {}
+        self.pending: dict[int, tuple[memoryview, bool]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        from h2.settings import SettingCodes
+
+        self.t = transport  # type: ignore[assignment]
+        self.h2.initiate_connection()
+        self.h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 1000, SettingCodes.INITIAL_WINDOW_SIZE: 2**24})
+        self.h2.increment_flow_control_window(2**30 - 65535)
+        self.t.write(self.h2.data_to_send())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.t = None
+
+    def data_received(self, data: bytes) -> None:
+        import h2.events
+        import h2.exceptions
+
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError:
+            if self.t is not None:
+                self.t.close()
+            return
+        for ev in events:
+            if isinstance(ev, h2.events.RequestReceived):
+                self.streams[ev.stream_id] = (dict(ev.headers), bytearray())
+            elif isinstance(ev, h2.events.DataReceived):
+                if ev.stream_id in self.streams:
+                    self.streams[ev.stream_id][1].extend(ev.data)
+                self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id in self.streams:
+                head, body = self.streams.pop(ev.stream_id)
+                self.server._handle(_H2Stream(self, ev.stream_id), head[":method"], head[":path"].split("?", 1)[0],
+                                    bytes(body))
+            elif isinstance(ev, h2.events.WindowUpdated):
+                self._flush()
+            elif isinstance(ev, h2.events.StreamReset):
+                self.pending.pop(ev.stream_id, None)
+            elif isinstance(ev, h2.events.ConnectionTerminated) and self.t is not None:
+                self.t.close()
+        if self.t is not None:
+            self.t.write(self.h2.data_to_send())
+
+    def respond(self, sid: int, status: int, body: bytes, headers: dict[str, str], truncate: bool) -> None:
+        import h2.exceptions
+
+        if self.t is None or self.t.is_closing():
+            return
+        hdrs = [(":status", str(status)), ("content-type", "application/json"), ("content-length", str(len(body)))]
+        try:
+            self.h2.send_headers(sid, hdrs + list(headers.items()))
+        except h2.exceptions.StreamClosedError:
+            return
+        self.pending[sid] = (memoryview(body[: len(body) // 2] if truncate else body), truncate)
+        self._flush()
+
+    def _flush(self) -> None:
+        from h2.errors import ErrorCodes
+
+        for sid, (data, cut) in list(self.pending.items()):
+            while data:
+                n = min(self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size, len(data))
+                if n <= 0:
+                    break
+                self.h2.send_data(sid, bytes(data[:n]))
+                data = data[n:]
+            if data:
+                self.pending[sid] = (data, cut)
+                continue
+            del self.pending[sid]
+            if cut:
+                self.h2.reset_stream(sid, ErrorCodes.INTERNAL_ERROR)
+            else:
+                self.h2.end_stream(sid)
+        if self.t is not None:
+            self.t.write(self.h2.data_to_send())
+
+
 class LoopbackServer:
-    """An SGLang-like (`kind="sglang"`) or OpenRouter-like (`kind="openai"`) server on a thread."""
+    """An SGLang-like (`kind="sglang"`), vLLM-like (`kind="vllm"`) or OpenRouter-like (`kind="openai"`) server
+    on a thread. `id_prefix` starts every SGLang/vLLM response id (tells workers apart behind a router)."""
 
     def __init__(self, kind: str = "openai", *, latency: float = 0.0, jitter: float = 0.0, slow_s: float = 5.0,
                  model_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct", credit: float | None = 100.0,
                  price_per_token: float = 1e-6, body_bytes: tuple[int, int] = (200, 600), retry_after: str = "1",
                  eot_id: int = 2, eot_text: str = "<|im_end|>", record: bool = True, seed: int = 0,
-                 api_key: str | None = None):
-        assert kind in ("openai", "sglang")
+                 api_key: str | None = None, id_prefix: str = "rid", served_model_name: str | None = None,
+                 ssl_context: Any = None, http2: bool = False):
+        assert kind in ("openai", "sglang", "vllm")
+        self.id_prefix = id_prefix
+        self.served_model_name = served_model_name or model_path
+        self.ssl_context = ssl_context
+        self.http2 = http2
         self.kind = kind
         self.latency = latency
         self.jitter = jitter
@@ -112,6 +231,7 @@ class LoopbackServer:
         self.faults: deque[str] = deque()
         self.always: str | None = None
         self.requests: list[dict[str, Any]] = []
+        self.probes: list[float] = []  # when GET /v1/models was answered (vLLM kind)
         self.served = 0
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -121,13 +241,15 @@ class LoopbackServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}" + ("/api/v1" if self.kind == "openai" else "")
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}" + {"openai": "/api/v1", "vllm": "/v1"}.get(self.kind, "")
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def serve(self, port: int = 0) -> None:
         """Start listening on the running loop (used by the thread and by the CLI)."""
         self._loop = asyncio.get_running_loop()
-        self._server = await self._loop.create_server(lambda: _Conn(self), "127.0.0.1", port, backlog=8192)
+        proto = (lambda: _H2Conn(self)) if self.http2 else (lambda: _Conn(self))
+        self._server = await self._loop.create_server(proto, "127.0.0.1", port, backlog=8192, ssl=self.ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def start(self) -> "LoopbackServer":
@@ -172,6 +294,15 @@ class LoopbackServer:
     def _handle(self, conn: _Conn, method: str, path: str, body: bytes) -> None:
         if path.startswith("/api/v1"):
             path = path[len("/api/v1"):]
+        elif self.kind == "vllm" and path != "/health":  # vLLM serves its OpenAI API under /v1 only
+            if not path.startswith("/v1/"):
+                return conn.send(404, b'{"detail":"Not Found"}')
+            path = path[len("/v1"):]
+        if self.kind == "vllm" and path == "/models":
+            self.probes.append(time.monotonic())
+            return conn.send(200, orjson.dumps({"object": "list", "data": [
+                {"id": self.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                 "root": self.model_path, "parent": None, "max_model_len": 8192}]}))
         if path == "/health":
             return conn.send(200, b"")
         if path == "/get_model_info":
@@ -181,7 +312,7 @@ class LoopbackServer:
             rem = None if self.credit is None else round(self.credit - self.spent, 6)
             return conn.send(200, orjson.dumps({"data": {"label": "loopback", "limit": self.credit,
                                                          "usage": self.spent, "limit_remaining": rem}}))
-        if path not in ("/generate", "/chat/completions"):
+        if path not in ("/generate", "/chat/completions", "/completions"):
             return conn.send(404, b'{"error":{"code":404,"message":"no such path"}}')
         fault = self.faults.popleft() if self.faults else self.always
         req = None
@@ -214,6 +345,8 @@ class LoopbackServer:
     def _answer(self, req: dict[str, Any] | None, fault: str | None) -> bytes:
         if self.kind == "sglang":
             return self._sglang(req)
+        if self.kind == "vllm":
+            return self._vllm(req, fault)
         if self._bodies is not None and fault is None:
             body = self._bodies[self.served % len(self._bodies)]
             self.spent += 0.0005
@@ -234,10 +367,38 @@ class LoopbackServer:
             else:
                 fr = {"type": "stop", "matched": self.eot_id}
             out.append({"text": "", "output_ids": body,
-                        "meta_info": {"id": f"rid-{self.rng.getrandbits(48):x}", "finish_reason": fr,
+                        "meta_info": {"id": f"{self.id_prefix}-{self.rng.getrandbits(48):x}", "finish_reason": fr,
                                       "prompt_tokens": len(p), "completion_tokens": len(body), "cached_tokens": 0,
                                       "e2e_latency": self.latency}})
         return orjson.dumps(out if batch else out[0])
+
+    def _vllm(self, req: dict[str, Any], fault: str | None) -> bytes:
+        """A `/v1/completions` answer as vLLM gives it for token-id prompts with `return_token_ids`."""
+        ids = req["prompt"]
+        batch = bool(ids) and isinstance(ids[0], list)
+        max_new = int(req.get("max_tokens") or 16)
+        stops = set(req.get("stop_token_ids") or [])
+        choices, pt, ct = [], 0, 0
+        for i, p in enumerate(ids if batch else [ids]):
+            n = 3 + (len(p) + sum(p[-3:])) % 13  # deterministic per prompt (as the SGLang-like server)
+            body = [100 + (len(p) * 7 + k * 31) % 4000 for k in range(n)] + [self.eot_id]
+            if len(body) > max_new:
+                body, fr, why = body[:max_new], "length", None
+            else:
+                fr, why = "stop", (self.eot_id if self.eot_id in stops else None)
+            if fault == "abort":
+                fr, why = "abort", None
+            choice: dict[str, Any] = {"index": i, "text": " ".join(f"t{t}" for t in body), "logprobs": None,
+                                      "finish_reason": fr, "stop_reason": why}
+            if req.get("return_token_ids") and fault != "no_token_ids":
+                choice["token_ids"] = body
+                choice["prompt_token_ids"] = list(p) + ([0] if fault == "prompt_changed" else [])
+            choices.append(choice)
+            pt, ct = pt + len(p), ct + len(body)
+        return orjson.dumps({"id": f"{self.id_prefix}-cmpl-{self.rng.getrandbits(48):x}", "object": "text_completion",
+                             "created": int(time.time()), "model": req.get("model"), "choices": choices,
+                             "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
+                                       "prompt_tokens_details": None}})
 
     def _openai(self, req: dict[str, Any] | None, fault: str | None) -> bytes:
         lo, hi = self.body_bytes
@@ -277,14 +438,30 @@ class LoopbackServer:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="loopback SGLang/OpenRouter server")
-    ap.add_argument("--kind", default="openai", choices=["openai", "sglang"])
+    ap.add_argument("--kind", default="openai", choices=["openai", "sglang", "vllm"])
     ap.add_argument("--latency", type=float, default=0.0)
+    ap.add_argument("--jitter", type=float, default=0.0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--body-min", type=int, default=1024)
     ap.add_argument("--body-max", type=int, default=8192)
+    ap.add_argument("--id-prefix", default="rid", help="start of every SGLang/vLLM response id")
+    ap.add_argument("--model-path", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM) ...")
+    ap.add_argument("--tls-key", help="... and this key")
+    ap.add_argument("--http2", action="store_true", help="HTTP/2 over TLS (ALPN h2) instead of HTTP/1.1")
     args = ap.parse_args()
-    srv = LoopbackServer(args.kind, latency=args.latency, body_bytes=(args.body_min, args.body_max), record=False,
-                         credit=None)
+    ctx = None
+    if args.tls_cert:
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        ctx.set_alpn_protocols(["h2"] if args.http2 else ["http/1.1"])
+    elif args.http2:
+        raise SystemExit("--http2 needs --tls-cert/--tls-key (clients negotiate h2 through TLS ALPN)")
+    srv = LoopbackServer(args.kind, latency=args.latency, jitter=args.jitter, body_bytes=(args.body_min, args.body_max),
+                         record=False, credit=None, id_prefix=args.id_prefix, model_path=args.model_path,
+                         ssl_context=ctx, http2=args.http2)
     if args.kind == "openai":
         srv.prebuild()
 

@@ -7,6 +7,8 @@ and reported), and generates with the backend named in params:
 - `local`: batched in-process generation; exact ids. A first SIGINT/SIGTERM or a `STOP` file
   stops after the batch in progress is journaled; a second signal drops that batch.
 - `sglang`: the native `/generate` endpoint with pre-templated `input_ids`; exact ids.
+- `vllm`: vLLM's `/v1/completions` with pre-templated token-id prompts and `return_token_ids`;
+  exact ids.
 - `openai`: an OpenAI-compatible `/chat/completions` API (OpenRouter flavour); text records,
   ids rebuilt by 02_reconstruct.
 
@@ -349,6 +351,11 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
     run_dir = params.run_dir
     extra = {"torn_tail_bytes_repaired": plan.torn_tail_bytes, "backend": g.backend}
     engine = Engine(backend, _jobs(params, plan), base_url=base_url, settings=settings, ledger=plan.ledger,
+    elif g.backend == "vllm":
+        from .backends.vllm import VLLMBackend
+
+        backend = VLLMBackend(params, profile, tokenizer)
+        base_url, credit_poll = g.vllm.base_url, 1e9
                     journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
                     budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
                     progress=progress, prepare=_preparer(params, tokenizer, profile))

@@ -61,6 +61,15 @@ class SGLangParams(Strict):
     check_model: bool = Field(True, description="Refuse to start if /get_model_info names another model.")
 
 
+class VLLMParams(Strict):
+    base_url: str = Field(description="vLLM OpenAI-compatible server URL with its /v1, e.g. http://127.0.0.1:8000/v1.")
+    model: str | None = Field(
+        None, description="Served model name sent as `model` (None = the one model GET /v1/models lists)."
+    )
+    batch_size: int = Field(1, gt=0, le=256, description="Prompts per /completions request (a list of id lists).")
+    check_model: bool = Field(True, description="Refuse to start if /v1/models names another model.")
+
+
 class ProviderRouting(Strict):
     order: list[str] | None = Field(None, description="Providers to try in order.")
     only: list[str] | None = Field(None, description="Allow only these providers.")
@@ -96,10 +105,11 @@ class OpenAIParams(Strict):
 
 
 class GenerateParams(Strict):
-    backend: Literal["local", "sglang", "openai"] = Field("local", description="Where responses come from.")
+    backend: Literal["local", "sglang", "vllm", "openai"] = Field("local", description="Where responses come from.")
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling settings.")
     batch_size: int = Field(8, gt=0, description="Local backend: prompts per batched generate call.")
     sglang: SGLangParams | None = Field(None, description="Settings for backend `sglang`.")
+    vllm: VLLMParams | None = Field(None, description="Settings for backend `vllm`.")
     openai: OpenAIParams | None = Field(None, description="Settings for backend `openai`.")
     concurrency: int = Field(64, gt=0, le=10000, description="HTTP backends: requests in flight at most.")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
@@ -125,6 +135,8 @@ class GenerateParams(Strict):
     def _backend_settings_present(self) -> "GenerateParams":
         if self.backend == "sglang" and self.sglang is None:
             raise ValueError("backend 'sglang' needs a `generate.sglang` section (base_url)")
+        if self.backend == "vllm" and self.vllm is None:
+            raise ValueError("backend 'vllm' needs a `generate.vllm` section (base_url)")
         if self.backend == "openai" and self.openai is None:
             raise ValueError("backend 'openai' needs a `generate.openai` section (base_url, model)")
         return self

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-Source = Literal["local", "sglang", "api"]
+Source = Literal["local", "sglang", "vllm", "api"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
