@@ -40,6 +40,11 @@ from ..records import Journal
 from .transport import LeanTransport
 
 
+# The client under the engine: the hand-written HTTP/1.1 pool (bench/bench_generate.py measures it against
+# aiohttp and httpx over HTTP/2 by putting theirs here).
+TRANSPORT: Callable[[], httpx.AsyncBaseTransport] = LeanTransport
+
+
 class GenerateError(RuntimeError):
     """The run cannot start or must stop (server mismatch, no credit, bad key): the message says why."""
 
@@ -517,7 +522,7 @@ class Engine:
         t0 = time.monotonic()
         cpu0 = time.process_time()
         async with contextlib.AsyncExitStack() as stack:
-            self._transport = LeanTransport()
+            self._transport = TRANSPORT()
             client = await stack.enter_async_context(httpx.AsyncClient(
                 base_url=self.base_url, timeout=timeout, headers=self.backend.headers(), transport=self._transport))
             proto = client.build_request("POST", self.backend.path, content=b"")
