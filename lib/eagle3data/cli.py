@@ -115,6 +115,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prompts(args: argparse.Namespace) -> int:
+    from .prompts import prompts_cli
+
+    return prompts_cli(args.path, args.format, split=args.split, subset=args.subset, show=args.show, out=args.out)
+
+
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     from .models import prepare_embedded
 
@@ -158,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", required=True, choices=["specforge", "speculators"])
     e.add_argument("--out", required=True, help="output folder")
     e.set_defaults(func=cmd_export)
+
+    pr = sub.add_parser("prompts", help="show what a prompt dataset turns into (counts, rejected rows, examples)")
+    pr.add_argument("path", help="file (.jsonl/.json/.parquet/.arrow), folder of shards, builtin:NAME or hf:NAME")
+    pr.add_argument("--format", required=True, help="row format, e.g. sharegpt, ultrachat, glaive (README: Prompt datasets)")
+    pr.add_argument("--split", help="split of a folder or hub dataset (default train)")
+    pr.add_argument("--subset", help="config of a folder or hub dataset, e.g. all")
+    pr.add_argument("--show", type=int, default=3, help="normalized examples to print")
+    pr.add_argument("--out", help="write the normalized prompts here as format-prompts JSONL")
+    pr.set_defaults(func=cmd_prompts)
 
     m = sub.add_parser("prepare-model", help="convert the embedded GGUF model into the safetensors cache")
     m.add_argument("name", nargs="?", default="smollm2")

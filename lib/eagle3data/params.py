@@ -39,11 +39,30 @@ class ModelParams(Strict):
 
 class DatasetParams(Strict):
     name: str = Field(description="Dataset name; records go to `records/<name>.jsonl`.")
-    path: str = Field(description="JSONL prompt file, or `builtin:<name>` for the shipped prompt sets.")
+    path: str = Field(
+        description="Prompt file (.jsonl, .json, .parquet, .arrow), a folder of shards or a downloaded dataset "
+                    "repository, `builtin:<name>` for the shipped prompt sets, or `hf:<owner>/<name>` (needs the hub)."
+    )
+    format: str = Field("prompts", description="Row format (see README `Prompt datasets`); `prompts` = this project's JSONL.")
+    split: str | None = Field(None, description="Split of a folder or hub dataset (None = `train`), e.g. `train_sft`.")
+    subset: str | None = Field(None, description="Config of a folder or hub dataset, e.g. `all` for Mixture-of-Thoughts.")
     limit: int | None = Field(None, gt=0, description="Use at most this many prompts (after the seeded shuffle).")
+    max_rejected_share: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="Stop the run when more than this share of the rows is rejected (exact duplicates not counted).",
+    )
     token_budget: int | None = Field(
         None, gt=0, description="Stop dispatching this dataset when done + reserved in-flight tokens reach it."
     )
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        from .formats import FORMATS
+
+        if v not in FORMATS:
+            raise ValueError(f"unknown dataset format {v!r}; known: {', '.join(FORMATS)}")
+        return v
 
 
 class SamplingParams(Strict):
@@ -339,6 +358,23 @@ def load_params(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         return RunParams.model_validate(raw)
     except ValidationError as e:
         raise ParamsError(_format_error(e, source)) from None
+
+
+def check_dataset_files(params: RunParams) -> None:
+    """Every prompt file exists and is readable by its format; else ParamsError, one line per file.
+
+    Run before any work starts (01 calls it first). Not part of `load_params`: a params file
+    is valid on a machine that does not hold its datasets.
+    """
+    from .prompts import check_source
+
+    bad = []
+    for i, d in enumerate(params.datasets):
+        why = check_source(d.path, d.format, split=d.split, subset=d.subset)
+        if why:
+            bad.append(f"datasets.{i} ({d.name}, format {d.format}): {why}")
+    if bad:
+        raise ParamsError("\n".join(bad))
 
 
 def params_for_display(params: RunParams) -> dict[str, Any]:

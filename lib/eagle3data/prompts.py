@@ -1,45 +1,150 @@
 """Prompt datasets and chat templating.
 
-A prompt file is JSONL, one `{"sample_id", "messages", "tools"?}` per line. The loader
-rejects a bad line with `file:line` and the reason, keeps going, and reports what it
-skipped. Templating applies the model's chat template with the profile's options; where the
-template has no tools support (SmolLM2), tool definitions go into the system prompt, as
-glaive-style function-calling datasets do.
+A prompt dataset is a file (or a folder of shards) in one of the published formats of
+`formats.py`; each row becomes a `Prompt`: `sample_id`, the chat `messages` sent to the
+model, optional OpenAI-format `tools`, the whole normalized `conversation` (every turn of the
+row, the dataset's own replies included) and `meta` (card fields kept, and
+`reference_reply`: the trailing assistant turn cut off for single-turn regeneration).
+`format: prompts` is this project's strict JSONL (`{"sample_id", "messages", "tools"?}`).
+
+Files: `.jsonl` and `.json` are read line by line (or element by element) here, so a bad row
+is named by `file:line` and never sinks the rest; `.parquet`, `.arrow`, a folder of shards
+(or a downloaded dataset repository) and `hf:NAME` go through the HF `datasets` library
+(streamed, rows named `file row N`). The loader rejects a bad row with its location and
+reason, keeps going, drops exact-duplicate prompts (counted), and reports what it skipped.
+Sample ids come from the row's id field where the format has one, else from a content hash
+of the prompt (never a line number: rows reorder between releases).
+
+Templating applies the model's chat template with the profile's options; where the template
+has no tools support (SmolLM2), tool definitions go into the system prompt, as glaive-style
+function-calling datasets do.
 """
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import json
 import random
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import orjson
+
+from .formats import FORMATS, ROLES, DatasetFormat, RowError, get_format, guess_formats
 from .profiles import Profile
 
 BUILTIN_PREFIX = "builtin:"
-ROLES = {"system", "user", "assistant", "tool"}
+HUB_PREFIX = "hf:"
+TEXT_SUFFIXES = (".jsonl", ".json", ".ndjson")
+COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+__all__ = ["Prompt", "PromptSet", "Rejection", "PromptDataError", "load_prompts", "load_datasets",
+           "check_source", "ROLES"]
+
+
+class PromptDataError(ValueError):
+    """A prompt dataset cannot be used (missing, unreadable, nothing usable, too much rejected)."""
 
 
 @dataclass
 class Prompt:
-    """One prompt: its dataset, id, chat messages and optional OpenAI-format tools."""
+    """One prompt: its dataset, id, chat messages and optional OpenAI-format tools.
+
+    `conversation` is every turn of the source row (None: the same as `messages`); `meta`
+    holds card fields kept and `reference_reply`, the dataset's own last reply.
+    """
 
     dataset: str
     sample_id: int | str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    conversation: list[dict[str, Any]] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def as_row(self) -> dict[str, Any]:
+        """The prompt as a `format: prompts` line (what `prompts --out` writes)."""
+        row: dict[str, Any] = {"sample_id": self.sample_id, "messages": self.messages}
+        if self.tools:
+            row["tools"] = self.tools
+        if self.conversation is not None and self.conversation != self.messages:
+            row["conversation"] = self.conversation
+        if self.meta:
+            row["meta"] = self.meta
+        return row
+
+
+@dataclass
+class Rejection:
+    """A row the loader did not keep: where it is, and why."""
+
+    where: str
+    reason: str
+    duplicate: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
+
+    @property
+    def kind(self) -> str:
+        """The reason without its particulars (for counting rejections by reason)."""
+        k = re.sub(r"\s*\([^()]*\)\s*$", "", self.reason)
+        k = re.sub(r"'[^']*'|\"[^\"]*\"", "…", k)
+        return re.sub(r"\d+", "N", k)
 
 
 @dataclass
 class PromptSet:
-    """Prompts of one dataset, plus the lines the loader rejected (`file:line: reason`)."""
+    """Prompts of one dataset, plus the rows the loader rejected (`file:line: reason`)."""
 
     dataset: str
     path: Path
     prompts: list[Prompt] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    format: str = "prompts"
+    rows: int = 0
+
+    @property
+    def skipped(self) -> list[str]:
+        """Every rejected row as `location: reason` (malformed rows and duplicates)."""
+        return [str(r) for r in self.rejected]
+
+    @property
+    def duplicates(self) -> int:
+        return sum(r.duplicate for r in self.rejected)
+
+    @property
+    def malformed(self) -> int:
+        return len(self.rejected) - self.duplicates
+
+    @property
+    def rejected_share(self) -> float:
+        """Malformed rows over rows read (exact duplicates are not bad input: not counted)."""
+        return self.malformed / self.rows if self.rows else 0.0
+
+    def reason_counts(self) -> list[tuple[str, int, str]]:
+        """(reason, count, first location) per kind of rejection, most frequent first."""
+        first: dict[str, str] = {}
+        counts: Counter[str] = Counter()
+        for r in self.rejected:
+            counts[r.kind] += 1
+            first.setdefault(r.kind, r.where)
+        return [(k, n, first[k]) for k, n in counts.most_common()]
+
+    def summary(self, examples: int = 3) -> list[str]:
+        """A few lines for the terminal: counts, then the first rejections with their reasons."""
+        dup = f", {self.duplicates} exact duplicate{'s' * (self.duplicates != 1)} dropped" if self.duplicates else ""
+        lines = [f"prompts {self.dataset}: {self.malformed} of {self.rows} rows rejected "
+                 f"({self.rejected_share:.0%}){dup}; {len(self.prompts)} prompts from {self.path} "
+                 f"(format {self.format})"]
+        for kind, n, where in self.reason_counts()[:examples]:
+            lines.append(f"  {n:>6} x {kind}   (first: {where})")
+        for r in self.rejected[:examples]:
+            lines.append(f"  {r}")
+        return lines
 
 
 def builtin_datasets() -> list[str]:
@@ -49,75 +154,293 @@ def builtin_datasets() -> list[str]:
 
 
 def resolve_prompt_path(path: str) -> Path:
-    """`builtin:NAME` -> the shipped file; anything else -> that path."""
+    """`builtin:NAME` -> the shipped file; a relative path not found here -> under the repository root."""
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX) :]
         p = Path(str(resources.files("eagle3data") / "data" / "prompts" / f"{name}.jsonl"))
         if not p.exists():
             raise FileNotFoundError(f"no builtin prompt set {name!r}; known: {', '.join(builtin_datasets())}")
         return p
-    return Path(path)
+    p = Path(path).expanduser()
+    if not p.is_absolute() and not p.exists():
+        from .params import repo_root
+
+        alt = repo_root() / p
+        if alt.exists():
+            return alt
+    return p
 
 
-def _check_line(obj: Any) -> str | None:
-    """Why a parsed line is not a prompt, or None when it is one."""
-    if not isinstance(obj, dict):
-        return "line is not a JSON object"
-    if "sample_id" not in obj:
-        return "missing field `sample_id`"
-    sid = obj["sample_id"]
-    if isinstance(sid, bool) or not isinstance(sid, (int, str)) or sid == "":
-        return f"field `sample_id` must be an integer or non-empty string, got {sid!r}"
-    msgs = obj.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        return "field `messages` must be a non-empty list"
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            return f"field `messages[{i}]` must be an object"
-        if m.get("role") not in ROLES:
-            return f"field `messages[{i}].role` must be one of {sorted(ROLES)}, got {m.get('role')!r}"
-        if not isinstance(m.get("content"), str):
-            return f"field `messages[{i}].content` must be a string"
-    if msgs[-1]["role"] != "user" and msgs[-1]["role"] != "tool":
-        return f"field `messages` must end with a user or tool turn, ends with {msgs[-1]['role']!r}"
-    tools = obj.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            return "field `tools` must be a list"
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                return f"field `tools[{i}].function.name` is missing"
-    extra = set(obj) - {"sample_id", "messages", "tools"}
-    if extra:
-        return f"unknown field(s) {', '.join(sorted(extra))}"
+# ---------------------------------------------------------------- reading rows
+
+Row = tuple[str, str, "dict[str, Any] | RowError"]  # (location, short location, row or why not)
+
+
+def _json_error(e: json.JSONDecodeError, text: str) -> str:
+    """Why a JSON line does not parse; a line that ends inside a value "is cut off"."""
+    if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
+        return (f"not valid JSON: the line is cut off (it ends at column {len(text)} before the JSON value is "
+                "closed: a write stopped half-way, or the file was cut)")
+    if e.msg == "Extra data":
+        return f"not valid JSON: more than one JSON value on the line (column {e.colno}; a lost newline?)"
+    return f"not valid JSON ({e.msg} at column {e.colno})"
+
+
+def _iter_jsonl(p: Path) -> Iterator[Row]:
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where, short = f"{p}:{lineno}", f"line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, short, RowError(f"not UTF-8 text (byte {e.start} of the line)")
+                continue
+            text = line.rstrip("\r\n")
+            if lineno == 1:
+                text = text.lstrip("\ufeff")
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield where, short, RowError(_json_error(e, text))
+                continue
+            yield where, short, obj if isinstance(obj, dict) else RowError("line is not a JSON object")
+
+
+def _iter_text(p: Path) -> Iterator[Row]:
+    """`.json`: a JSON array of rows (or JSON lines under a .json name); anything else: JSON lines."""
+    if p.suffix.lower() != ".json":
+        yield from _iter_jsonl(p)
+        return
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise PromptDataError(f"{p}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # one value per line: JSON lines under a .json name
+            yield from _iter_jsonl(p)
+            return
+        cut = " (the file is cut off)" if e.pos >= len(p.read_bytes().rstrip()) else ""
+        raise PromptDataError(f"{p}: not valid JSON{cut} ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise PromptDataError(f"{p}: holds a JSON {type(data).__name__}, not a list of rows")
+    for i, obj in enumerate(data, start=1):
+        yield f"{p} row {i}", f"row {i}", obj if isinstance(obj, dict) else RowError("row is not a JSON object")
+
+
+def _iter_hf(source: str, label: str, *, builder: str | None = None, split: str | None = None,
+             subset: str | None = None) -> Iterator[Row]:
+    """Rows through the HF `datasets` library, streamed (nothing is copied into its cache)."""
+    try:
+        import datasets
+    except ImportError:
+        raise PromptDataError(f"{label}: reading it needs the `datasets` package (pip install datasets)") from None
+    try:
+        if builder:
+            ds = datasets.load_dataset(builder, data_files=source, split="train", streaming=True)
+        else:
+            ds = datasets.load_dataset(source, subset, split=split or "train", streaming=True)
+        for i, row in enumerate(ds, start=1):
+            yield f"{label} row {i}", f"row {i}", row
+    except PromptDataError:
+        raise
+    except Exception as e:  # datasets raises many kinds; one line naming the file is what a user needs
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise PromptDataError(f"{label}: cannot be read by the `datasets` library ({type(e).__name__}: {msg})") from None
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES + COLUMNAR_SUFFIXES
+                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
+def _sniff(p: Path) -> str:
+    """What the first bytes of a file say it is: parquet, arrow, gzip, zip, empty, text, or binary."""
+    with open(p, "rb") as f:
+        head = f.read(65536)
+    if not head:
+        return "empty"
+    if head[:4] == b"PAR1":
+        return "parquet"
+    if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":
+        return "arrow"
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if head[:2] == b"PK":
+        return "zip"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return "binary"
+    return "text"
+
+
+def _file_kind(p: Path) -> str:
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix == ".arrow":
+        return "arrow"
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    sniff = _sniff(p)
+    return sniff if sniff in ("parquet", "arrow") else "text"
+
+
+def iter_rows(path: str, *, split: str | None = None, subset: str | None = None) -> Iterator[Row]:
+    """Every row of a prompt source as (location, short location, row or RowError)."""
+    if path.startswith(HUB_PREFIX):
+        yield from _iter_hf(path[len(HUB_PREFIX):], path, split=split, subset=subset)
+        return
+    p = resolve_prompt_path(path)
+    if not p.exists():
+        raise PromptDataError(f"prompt file not found: {p}")
+    if p.is_dir():
+        files = _data_files(p)
+        if split is None and subset is None and files and all(f.suffix.lower() in TEXT_SUFFIXES for f in files):
+            for f in files:
+                yield from _iter_text(f)
+        else:
+            yield from _iter_hf(str(p), str(p), split=split, subset=subset)
+        return
+    kind = _file_kind(p)
+    if kind in ("parquet", "arrow"):
+        yield from _iter_hf(str(p), str(p), builder=kind)
+    else:
+        yield from _iter_text(p)
+
+
+def check_source(path: str, format: str = "prompts", *, split: str | None = None,
+                 subset: str | None = None) -> str | None:
+    """Why a prompt source cannot be read by its format (one line naming the file), or None.
+
+    Cheap: it looks at the first bytes and the first rows (or the parquet schema), not the
+    whole file. `hf:` names are not checked here (they need the hub).
+    """
+    fmt = get_format(format)
+    if path.startswith(HUB_PREFIX):
+        return None
+    try:
+        p = resolve_prompt_path(path)
+    except FileNotFoundError as e:
+        return str(e)
+    if not p.exists():
+        return f"prompt file not found: {p}"
+    if p.is_dir():
+        files = _data_files(p)
+        if not files:
+            return f"{p}: the folder holds no .jsonl, .json, .parquet or .arrow files"
+        p = files[0]
+    sniff = _sniff(p)
+    suffix = p.suffix.lower()
+    if sniff == "empty":
+        return f"{p}: the file is empty (no rows)"
+    if suffix in TEXT_SUFFIXES and sniff != "text":
+        hint = f" (rename it to .{sniff})" if sniff in ("parquet", "arrow") else ""
+        return f"{p}: is a {sniff} file, not JSON text{hint}"
+    if suffix == ".parquet" and sniff != "parquet":
+        return f"{p}: is not a parquet file (no PAR1 magic; a {sniff} file?)"
+    if sniff in ("gzip", "zip", "binary") and suffix not in COLUMNAR_SUFFIXES:
+        return f"{p}: is a {sniff} file; prompt files are .jsonl, .json, .parquet or .arrow"
+    keys: list[set[str]] = []
+    try:
+        if sniff == "parquet":
+            import pyarrow.parquet as pq
+
+            keys.append(set(pq.read_schema(p).names))
+        elif sniff == "text" and suffix != ".json":
+            with open(p, "rb") as f:
+                for _, raw in zip(range(20), f):
+                    try:
+                        obj = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
+                    except (UnicodeDecodeError, json.JSONDecodeError):
+                        continue
+                    if isinstance(obj, dict):
+                        keys.append(set(obj))
+    except Exception as e:
+        return f"{p}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if keys and all(fmt.missing_fields(k) for k in keys):
+        miss = fmt.missing_fields(keys[0])
+        guess = guess_formats(keys[0])
+        hint = f"; it looks like format {' or '.join(guess)}" if guess else ""
+        return f"{p}: the first rows are not format `{fmt.name}`: {miss}{hint}"
     return None
 
 
-def load_prompts(path: str | Path, dataset: str | None = None) -> PromptSet:
-    """Load one prompt JSONL; bad lines are skipped and reported as `file:line: reason`."""
-    p = resolve_prompt_path(str(path))
-    name = dataset or p.stem
-    out = PromptSet(dataset=name, path=p)
-    seen: dict[str, int] = {}
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                out.skipped.append(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            reason = _check_line(obj)
-            if reason is None and str(obj["sample_id"]) in seen:
-                reason = f"duplicate sample_id {obj['sample_id']!r} (first on line {seen[str(obj['sample_id'])]})"
-            if reason:
-                out.skipped.append(f"{where}: {reason}")
-                continue
-            seen[str(obj["sample_id"])] = lineno
-            out.prompts.append(Prompt(name, obj["sample_id"], obj["messages"], obj.get("tools")))
+# ---------------------------------------------------------------- rows -> prompts
+
+
+def content_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """A stable id from the prompt's content: 16 hex digits of SHA-256 over messages and tools."""
+    try:
+        blob = orjson.dumps({"messages": messages, "tools": tools or None}, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        blob = json.dumps({"messages": messages, "tools": tools or None}, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def row_to_prompt(fmt: DatasetFormat, row: dict[str, Any], dataset: str) -> Prompt:
+    """One published row as a Prompt; raises RowError with the reason."""
+    n = fmt.normalize(row)
+    conv = n.conversation
+    msgs = list(conv)
+    meta = dict(n.meta)
+    if fmt.drop_trailing_reply and msgs and msgs[-1]["role"] == "assistant":
+        last = msgs.pop()
+        meta["reference_reply"] = last["content"]
+        if last.get("tool_calls"):
+            meta["reference_tool_calls"] = last["tool_calls"]
+    if not any(m["role"] == "user" for m in msgs):
+        raise RowError("has no user turn" + (" before the assistant reply" if conv else ""))
+    if msgs[-1]["role"] not in ("user", "tool"):
+        raise RowError(f"the prompt must end with a user or tool turn, ends with {msgs[-1]['role']!r}"
+                       + (" after the last assistant reply is cut off" if fmt.drop_trailing_reply else ""))
+    sid = n.row_id if n.row_id is not None else content_id(msgs, n.tools)
+    return Prompt(dataset, sid, msgs, n.tools, conv if conv != msgs else None, meta)
+
+
+def load_prompts(path: str | Path, dataset: str | None = None, format: str = "prompts", *,
+                 split: str | None = None, subset: str | None = None) -> PromptSet:
+    """Load one prompt dataset; bad rows are skipped and reported as `location: reason`.
+
+    Raises PromptDataError when the source itself cannot be read (missing file, a JSON
+    array that does not parse, a parquet file `datasets` cannot open).
+    """
+    fmt = get_format(format)
+    src = str(path)
+    p = Path(src) if src.startswith(HUB_PREFIX) else resolve_prompt_path(src)
+    name = dataset or (p.stem if not src.startswith(HUB_PREFIX) else src.split("/")[-1])
+    out = PromptSet(dataset=name, path=p, format=fmt.name)
+    seen_ids: dict[str, tuple[str, str]] = {}  # sample_id -> (content id, short location)
+    seen_content: dict[str, tuple[Any, str]] = {}  # content id -> (sample_id, short location)
+    for where, short, row in iter_rows(src, split=split, subset=subset):
+        out.rows += 1
+        if isinstance(row, RowError):
+            out.rejected.append(Rejection(where, str(row)))
+            continue
+        try:
+            prompt = row_to_prompt(fmt, row, name)
+        except RowError as e:
+            out.rejected.append(Rejection(where, str(e)))
+            continue
+        cid = content_id(prompt.messages, prompt.tools) if fmt.id_field else str(prompt.sample_id)
+        sid = str(prompt.sample_id)
+        if sid in seen_ids and fmt.id_field:
+            first_cid, first_at = seen_ids[sid]
+            out.rejected.append(Rejection(where, f"duplicate sample_id {prompt.sample_id!r} (first on {first_at})",
+                                          duplicate=first_cid == cid))
+            continue
+        if cid in seen_content:
+            first_sid, first_at = seen_content[cid]
+            out.rejected.append(Rejection(where, f"duplicate prompt: the same messages and tools as sample_id "
+                                                 f"{first_sid!r} (first on {first_at})", duplicate=True))
+            continue
+        seen_ids[sid] = (cid, short)
+        seen_content[cid] = (prompt.sample_id, short)
+        out.prompts.append(prompt)
     return out
 
 
@@ -126,7 +449,8 @@ def load_datasets(params: Any) -> dict[str, PromptSet]:
     sets: dict[str, PromptSet] = {}
     seed = params.generate.sampling.seed
     for d in params.datasets:
-        ps = load_prompts(d.path, d.name)
+        ps = load_prompts(d.path, d.name, getattr(d, "format", "prompts"), split=getattr(d, "split", None),
+                          subset=getattr(d, "subset", None))
         rng = random.Random(f"{seed}:{d.name}")
         rng.shuffle(ps.prompts)
         if d.limit is not None:
@@ -144,10 +468,26 @@ def tools_as_system_text(tools: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _arguments(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
+
+
 def messages_for_template(prompt: Prompt, profile: Profile) -> tuple[list[dict[str, Any]], list | None]:
     """Messages and tools as the chat template takes them for this profile."""
     msgs = [dict(m) for m in prompt.messages]
-    if not prompt.tools or profile.template_supports_tools:
+    if profile.template_supports_tools:
+        return msgs, prompt.tools
+    for m in msgs:  # the template renders only `content`: earlier tool calls go in as the JSON it asks for
+        if m.get("tool_calls"):
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])},
+                                ensure_ascii=False) for c in m.pop("tool_calls")]
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+    if not prompt.tools:
         return msgs, prompt.tools
     tool_text = tools_as_system_text(prompt.tools)
     if msgs and msgs[0]["role"] == "system":
@@ -167,3 +507,71 @@ def template_prompt(tokenizer: Any, prompt: Prompt, profile: Profile) -> list[in
     if isinstance(ids, dict):  # some tokenizers ignore return_dict=False
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+# ---------------------------------------------------------------- `python -m eagle3data prompts`
+
+
+def _short(v: Any, n: int = 160) -> Any:
+    """A message or value with long strings cut, for showing examples in a terminal."""
+    if isinstance(v, str):
+        return v if len(v) <= n else v[:n] + f"… ({len(v)} chars)"
+    if isinstance(v, list):
+        return [_short(x, n) for x in v]
+    if isinstance(v, dict):
+        return {k: _short(x, n) for k, x in v.items()}
+    return v
+
+
+def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str | None = None,
+                show: int = 3, rejected: int = 20, out: str | None = None) -> int:
+    """What a file turns into: counts, rejections by reason with their location, examples; `out` writes
+    the normalized prompts as `format: prompts` JSONL. Exit status 0 with usable prompts, 1 with none,
+    2 when the file cannot be read at all."""
+    try:
+        get_format(format)
+    except KeyError as e:
+        print(e.args[0])
+        return 2
+    why = check_source(path, format, split=split, subset=subset)
+    if why:
+        print(f"error: {why}")
+        return 2
+    try:
+        ps = load_prompts(path, format=format, split=split, subset=subset)
+    except (PromptDataError, FileNotFoundError) as e:
+        print(f"error: {e}")
+        return 2
+    turns = Counter(len(p.conversation or p.messages) for p in ps.prompts)
+    replies = sum("reference_reply" in p.meta for p in ps.prompts)
+    with_tools = sum(bool(p.tools) for p in ps.prompts)
+    print(f"{ps.path} (format {ps.format}): {ps.rows} rows -> {len(ps.prompts)} prompts; "
+          f"{ps.malformed} rejected ({ps.rejected_share:.1%}), {ps.duplicates} exact duplicates dropped")
+    print(f"  prompts with tools: {with_tools}; trailing assistant reply cut off (kept as meta.reference_reply): "
+          f"{replies}; turns per row: {dict(sorted(turns.items())[:12])}")
+    if ps.rejected:
+        print("rejected, by reason:")
+        for kind, n, where in ps.reason_counts():
+            print(f"  {n:>7}  {kind}   (first: {where})")
+        print(f"first {min(rejected, len(ps.rejected))} rejected rows:")
+        for r in ps.rejected[:rejected]:
+            print(f"  {r}")
+    for p in ps.prompts[:show]:
+        tools = ", ".join(t["function"]["name"] for t in p.tools or [])
+        print(f"example sample_id {p.sample_id!r}" + (f" (tools: {tools})" if tools else "") + ":")
+        for m in p.messages:
+            extra = {k: v for k, v in m.items() if k not in ("role", "content")}
+            print(f"  {m['role']:>9}: {json.dumps(_short(m['content'], 120), ensure_ascii=False)}"
+                  + (f" {json.dumps(_short(extra, 80), ensure_ascii=False)}" if extra else ""))
+        if p.meta:
+            print(f"  {'meta':>9}: {json.dumps(_short(p.meta, 80), ensure_ascii=False)}")
+    if out:
+        dst = Path(out)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for p in ps.prompts:
+                f.write(orjson.dumps(p.as_row()) + b"\n")
+        tmp.replace(dst)
+        print(f"wrote {len(ps.prompts)} prompts to {dst} (read it back with format: prompts)")
+    return 0 if ps.prompts else 1
