@@ -104,8 +104,8 @@ res.validation.table() if res.validation else None
 # ## 8. Reading one sample back (what a trainer does)
 
 # %%
-reader = HiddenReader(res.hidden_dir)
-one = reader.sample(0)
+reader = HiddenReader(res.hidden_dir) if res.merged else None  # a stopped run has no index yet
+one = reader.sample(0) if reader else {}
 {k: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v for k, v in one.items()}
 
 # %% [markdown]

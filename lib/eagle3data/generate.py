@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import signal
 import sys
@@ -34,8 +35,12 @@ from typing import Any, Iterator
 from .ledger import DatasetLedger, ledger_frame, provider_frame, read_ledger, write_ledger
 from .params import RunParams
 from .profiles import get_profile
-from .prompts import Prompt, load_datasets, template_prompt
+from .prompts import Prompt, PromptDataError, PromptSet, load_datasets, template_prompt
 from .records import Journal, Record, Usage, record_key, scan_journal
+
+# Set by `eagle3data run` for the kernel it starts: a STOP file there is that run's own stop request
+# (written on Ctrl-C before this stage got going), never a stale one to remove.
+CLI_RUN_ENV = "EAGLE3DATA_CLI_RUN"
 
 __all__ = ["run_generate", "GenerateSummary", "DatasetLedger", "write_ledger", "read_ledger", "plan_run"]
 
@@ -103,6 +108,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
     """
     run_dir = params.run_dir
     sets = load_datasets(params)
+    _check_prompt_sets(params, sets)
     ledger: dict[str, DatasetLedger] = {}
     pending: list[tuple[Prompt, list[int] | None]] = []
     done_keys: set[tuple[str, str]] = set()
@@ -149,6 +155,26 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 continue
             pending.append((p, ids))
     return RunPlan(ledger, pending, done_keys, torn, bad)
+
+
+def _check_prompt_sets(params: RunParams, sets: dict[str, PromptSet]) -> None:
+    """Print each dataset's rejected rows (count, reasons, first few) on stdout; stop the run
+    (PromptDataError) when a dataset has no usable prompt or rejects more than its max_rejected_share."""
+    stops = []
+    for d in params.datasets:
+        ps = sets[d.name]
+        if ps.rejected:
+            print("\n".join(ps.summary()), flush=True)
+        first = f"; first: {ps.rejected[0]}" if ps.rejected else ""
+        if not ps.prompts:
+            stops.append(f"dataset {d.name}: no usable prompt in {ps.path} (format {ps.format}, {ps.rows} rows, "
+                         f"{len(ps.rejected)} rejected){first}")
+        elif ps.rejected_share > d.max_rejected_share:
+            stops.append(f"dataset {d.name}: {ps.malformed} of {ps.rows} rows rejected ({ps.rejected_share:.0%}) in "
+                         f"{ps.path}, more than max_rejected_share {d.max_rejected_share:g} (format {ps.format}){first}")
+    if stops:
+        hint = "see `python -m eagle3data prompts PATH --format FORMAT` for every rejected row"
+        raise PromptDataError("\n".join(stops) + f"\n{hint}")
 
 
 def _report_resume(plan: RunPlan, progress: bool) -> None:
@@ -207,7 +233,9 @@ class _LocalStop:
 
     def requested(self) -> bool:
         if self.reason is None and self.stop_file.exists():
-            self.reason = f"STOP file {self.stop_file}"
+            from .backends.engine import stop_file_reason
+
+            self.reason = stop_file_reason(self.stop_file)
         return self.reason is not None
 
 
@@ -215,10 +243,9 @@ class _LocalStop:
 def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
                progress: bool) -> tuple[int, str, str | None]:
     """Generate the pending samples batch by batch; (new records, status, stop reason)."""
-    from tqdm.auto import tqdm
-
     from .backends.local import LocalBackend
     from .models import model_for
+    from .progress import Progress, generate_figures, generate_line
 
     run_dir = params.run_dir
     ledger = plan.ledger
@@ -231,8 +258,16 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     model = model or model_for(params)
     backend = LocalBackend(model, tokenizer, profile, params.generate.sampling, params.generate.batch_size)
     journals: dict[str, Journal] = {}
-    bar = tqdm(total=len(pending), desc="generate", unit="sample", disable=not progress)
+    live = Progress(progress, run_dir=run_dir, stage="01_generate")
+    t_start = time.monotonic()
+
+    def show(final: bool = False) -> None:
+        f = generate_figures(ledger, counts=counts, elapsed_s=time.monotonic() - t_start, session_done=new,
+                             stop_reason=stop.reason)
+        live.update(generate_line(f, final=final), final=final, figures=f)
+
     stop = _LocalStop(run_dir / "STOP")
+    show()
     bs = params.generate.batch_size
     done_upto = 0  # pending[:done_upto] is journaled or skipped by a budget
     chunk: list[tuple[Prompt, list[int]]] = []
@@ -262,8 +297,8 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
                         new += 1
                 chunk = []
                 done_upto = min(i + bs, len(pending))
-                bar.update(len(pending[i: i + bs]))
                 write_ledger(run_dir, ledger, "running", {"source": "local"})
+                show()
     except KeyboardInterrupt:
         if not stop.cancelled:
             raise  # not ours (e.g. a notebook's interrupt outside the handlers' reach)
@@ -271,11 +306,11 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
             ledger[p.dataset].cancel(p.sample_id)
         done_upto = min(done_upto + bs, len(pending))
     finally:
-        bar.close()
         for j in journals.values():
             j.close()
     for p, _ in pending[done_upto:]:  # never sent: a stop came first
         ledger[p.dataset].skip(p.sample_id)
+    show(final=True)
     if stop.reason is None:
         return new, "finished", None
     return new, "cancelled" if stop.cancelled else "stopped", stop.reason
@@ -371,15 +406,17 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
 def run_generate(params: RunParams, *, progress: bool = True, model: Any = None, tokenizer: Any = None) -> GenerateSummary:
     """Generate every pending sample of the run with the backend in params; journal as it goes."""
     from .models import tokenizer_for
+    from .params import check_dataset_files
     from .provenance import write_provenance
 
     t0 = time.perf_counter()
+    check_dataset_files(params)  # every prompt file exists and reads as its format, before any work
     profile = get_profile(params.profile)
     tokenizer = tokenizer or tokenizer_for(params)
     run_dir = params.run_dir
     (run_dir / "records").mkdir(parents=True, exist_ok=True)
     stop_file = run_dir / "STOP"
-    if stop_file.exists():
+    if stop_file.exists() and not os.environ.get(CLI_RUN_ENV):  # `eagle3data run` clears it itself, at its start
         stop_file.unlink()
         print(f"removed a STOP file left by an earlier run: {stop_file}", file=sys.stderr)
     write_provenance(run_dir, "01_generate", params)
@@ -427,10 +464,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     args = ap.parse_args(argv)
     try:
+        from .cli import ready_problems
+
         params = load_params(args.params, dict(args.p or []))
+        problems = ready_problems(params, ["01_generate"])
+        if problems:
+            print(f"error: {problems[0]}", file=sys.stderr)
+            return 2
         s = run_generate(params, progress=not args.quiet)
-    except (ParamsError, GenerateError) as e:
-        print(e, file=sys.stderr)
+    except (ParamsError, GenerateError, FileNotFoundError, PromptDataError) as e:
+        print(" ".join(x.strip() for x in str(e).splitlines()), file=sys.stderr)
         return 2
     print(s.table().to_string())
     print(f"{s.status}: {s.new_records} new records in {s.seconds:.1f} s"

@@ -617,6 +617,10 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
                             break
                     del states
                     bar.update(sum(len(seqs[i]) for i in b))
+                    if not stats["stopped_early"] and (params.run_dir / "STOP").exists():
+                        writer.flush()  # graceful stop (Ctrl-C on `eagle3data run`, `eagle3data stop`): the shard in progress is written
+                        stats["stopped_early"] = True
+                        stats["stop_reason"] = "STOP file"
                     if stats["stopped_early"]:
                         break
                 if not stats["stopped_early"]:

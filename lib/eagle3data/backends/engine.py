@@ -25,7 +25,6 @@ import contextlib
 import email.utils
 import random
 import signal
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import httpx
 import orjson
 
 from ..ledger import DatasetLedger, write_ledger
+from ..progress import Progress, generate_figures, generate_line
 from ..records import Journal
 from .transport import LeanTransport
 
@@ -111,6 +111,15 @@ def record_dict(job: Job, *, source: str, model: str, profile: str, sampling: di
     return rec
 
 
+def stop_file_reason(path: Path) -> str:
+    """The stop reason a `STOP` file gives: its first line (who asked, e.g. `SIGINT received by eagle3data run`)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    except OSError:
+        text = []
+    return f"{text[0][:200]} (STOP file)" if text and text[0].strip() else f"STOP file {path}"
+
+
 class _StopDispatch(Exception):
     """Raised by a request whose answer means no further request may be sent (402, 401, 403)."""
 
@@ -177,40 +186,6 @@ def error_message(body: bytes, limit: int = 300) -> str:
     return body[:limit].decode("utf-8", "replace")
 
 
-class Progress:
-    """A live one-line status: a display handle in a notebook, a carriage-return line in a terminal."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self._handle = None
-        self._tty = sys.stderr.isatty()
-        self._last_print = 0.0
-        if not enabled:
-            return
-        try:
-            from IPython import get_ipython
-
-            ip = get_ipython()
-            if ip is not None and getattr(ip, "kernel", None) is not None:
-                from IPython.display import display
-
-                self._handle = display({"text/plain": "generate: starting"}, raw=True, display_id=True)
-        except ImportError:
-            pass
-
-    def update(self, line: str, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        if self._handle is not None:
-            self._handle.update({"text/plain": line}, raw=True)
-        elif self._tty:
-            sys.stderr.write("\r" + line.ljust(120)[:160] + ("\n" if final else ""))
-            sys.stderr.flush()
-        elif final or time.monotonic() - self._last_print > 10:
-            self._last_print = time.monotonic()
-            print(line, file=sys.stderr, flush=True)
-
-
 class Engine:
     """Runs jobs through one backend; journals records and keeps the ledger while it runs."""
 
@@ -229,7 +204,7 @@ class Engine:
         self.budgets = budgets
         self.ledger_extra = ledger_extra or (lambda: {})
         self.prepare = prepare
-        self.progress = Progress(progress)
+        self.progress = Progress(progress, run_dir=self.run_dir, stage="01_generate")
         self.rng = random.Random(settings.seed)
         self.reserved: dict[str, int] = {k: 0 for k in ledger}
         self.in_flight_requests = 0
@@ -462,10 +437,11 @@ class Engine:
             self.ledger[job.dataset].skip(job.sample_id)
 
     def _status_line(self, final: bool = False) -> str:
+        return generate_line(self._figures(final), final=final)
+
+    def _figures(self, final: bool = False) -> dict[str, Any]:
+        """The progress figures: rates over the last ~10 s (whole-session averages at the end)."""
         now = time.monotonic()
-        done = sum(v.done for v in self.ledger.values())
-        planned = sum(v.planned for v in self.ledger.values())
-        errors = sum(v.errors for v in self.ledger.values())
         tokens = sum(v.prompt_tokens + v.completion_tokens for v in self.ledger.values())
         self._samples.append((now, self.responses, tokens))
         t_old, r_old, k_old = self._samples[0]
@@ -480,14 +456,19 @@ class Engine:
             dt = max(1e-9, now - self._t0)
             rps, tps = self.responses / dt, (tokens - self._tokens0) / dt
         spent = self._spent()
-        credit = "n/a"
+        credit = None
         if self.credit_left is not None:
-            credit = f"${self.credit_left - (spent - self._credit_spent_at_poll):,.2f}"
-        line = (f"generate {done:,}/{planned:,} done · {errors:,} err · {self.in_flight_requests:,} in flight · "
-                f"{rps:,.1f} req/s · {tps:,.0f} tok/s · ${spent:,.4f} · credit {credit}")
-        if self.stop_reason:
-            line += f" · stopping: {self.stop_reason}"
-        return line
+            credit = self.credit_left - (spent - self._credit_spent_at_poll)
+        f = generate_figures(self.ledger, counts=self.s.budget_counts, elapsed_s=now - self._t0,
+                             session_done=self.new_records, cost_cap_usd=self.s.cost_cap_usd,
+                             credit_left_usd=credit, in_flight=self.in_flight_requests,
+                             rate_rps=round(rps, 2), tokens_per_s=round(tps, 1), stop_reason=self.stop_reason)
+        self.last_figures = f
+        return f
+
+    def _show(self, final: bool = False) -> None:
+        f = self._figures(final)
+        self.progress.update(generate_line(f, final=final), final=final, figures=f)
 
     def write_ledger(self, status: str) -> None:
         extra = {"stop_reason": self.stop_reason, "source": self.backend.source,
@@ -499,8 +480,8 @@ class Engine:
         next_poll = time.monotonic() + self.s.credit_poll_s
         while True:
             await asyncio.sleep(self.s.ledger_interval_s)
-            if self._stop_file.exists() and self.stop_reason is None:
-                self.request_stop(f"STOP file {self._stop_file}")
+            if self.stop_reason is None and self._stop_file.exists():
+                self.request_stop(stop_file_reason(self._stop_file))
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + self.s.credit_poll_s
                 try:
@@ -510,7 +491,7 @@ class Engine:
                 if c is not None:
                     self.credit_left, self._credit_spent_at_poll = c, self._spent()
             self.write_ledger("stopping" if self.stop_reason else "running")
-            self.progress.update(self._status_line())
+            self._show()
 
     async def run(self) -> EngineResult:
         """Preflight the server, run every job, wait for (or cancel) what is in flight."""
@@ -554,6 +535,6 @@ class Engine:
         cancelled = any(v.cancelled for v in self.ledger.values())
         status = "finished" if self.stop_reason is None else ("cancelled" if cancelled else "stopped")
         self.write_ledger(status)
-        self.progress.update(self._status_line(final=True), final=True)
+        self._show(final=True)
         return EngineResult(status, self.stop_reason, self.new_records, self.responses,
                             time.monotonic() - t0, self.credit_left, info, time.process_time() - cpu0)
