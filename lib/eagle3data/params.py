@@ -296,21 +296,45 @@ def repo_root() -> Path:
 
 
 def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `a.b.0.c` (or `datasets.<name>.limit`: a list item by its `name`) in the raw params.
+
+    Raises ParamsError naming the key when an index is past the list, no item has that name,
+    or the path goes through a value that is not a section (`run_name.x`).
+    """
     keys = dotted.split(".")
-    cur = d
-    for k in keys[:-1]:
-        if k.isdigit() and isinstance(cur, list):
-            cur = cur[int(k)]
+    if not all(keys):
+        raise ParamsError(f"override `{dotted}`: empty part in the dotted key")
+    cur: Any = d
+    for depth, k in enumerate(keys):
+        here = ".".join(keys[:depth]) or "(top level)"
+        last = depth == len(keys) - 1
+        if isinstance(cur, list):
+            if k.lstrip("-").isdigit():
+                i = int(k)
+                if not 0 <= i < len(cur):
+                    raise ParamsError(f"override `{dotted}`: `{here}` has {len(cur)} items (indices 0-{len(cur) - 1}), "
+                                      f"no index {k}")
+            else:
+                names = [x.get("name") for x in cur if isinstance(x, dict)]
+                if k not in names:
+                    shown = ", ".join(str(n) for n in names if n is not None) or "none has a name"
+                    raise ParamsError(f"override `{dotted}`: no item of `{here}` is named {k!r} (names: {shown})")
+                i = names.index(k)
+            if last:
+                cur[i] = value
+            else:
+                cur = cur[i]
             continue
+        if not isinstance(cur, dict):
+            raise ParamsError(f"override `{dotted}`: `{here}` is a {type(cur).__name__} value ({cur!r}), "
+                              f"not a section with a `{k}` key")
+        if last:
+            cur[k] = value
+            return
         nxt = cur.get(k)
         if nxt is None:
             nxt = cur[k] = {}
         cur = nxt
-    last = keys[-1]
-    if last.isdigit() and isinstance(cur, list):
-        cur[int(last)] = value
-    else:
-        cur[last] = value
 
 
 def parse_override(value: Any) -> Any:
@@ -352,7 +376,10 @@ def load_params(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     source = str(path)
     if overrides:
         for k, v in overrides.items():
-            _set_path(raw, k, parse_override(v))
+            try:
+                _set_path(raw, k, parse_override(v))
+            except ParamsError as e:
+                raise ParamsError(f"invalid params in {path}: {e}") from None
         source += " with overrides " + ", ".join(f"{k}={v!r}" for k, v in overrides.items())
     try:
         return RunParams.model_validate(raw)
