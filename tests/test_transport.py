@@ -1,0 +1,187 @@
+"""The engine's hand-written HTTP/1.1 transport (backends/transport.py) against small servers on 127.0.0.1.
+
+Keep-alive connections are reused; a server that closes an idle connection (before or while
+the next request is sent) costs one fresh connection, not an error; a response cut midway
+is an error and its connection is never reused; `Connection: close` is honoured; TLS works
+with a trusted certificate and refuses an untrusted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import subprocess
+
+import httpx
+import pytest
+
+from eagle3data.backends.transport import LeanTransport
+
+
+class Server:
+    """A raw HTTP/1.1 server; `mode` says how it misbehaves. Counts connections and requests."""
+
+    def __init__(self, mode: str = "ok", ssl_context: ssl.SSLContext | None = None):
+        self.mode = mode
+        self.ssl = ssl_context
+        self.connections = 0
+        self.requests = 0
+
+    async def __aenter__(self) -> "Server":
+        self.srv = await asyncio.start_server(self._conn, "127.0.0.1", 0, ssl=self.ssl)
+        self.port = self.srv.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.srv.close()
+        await self.srv.wait_closed()
+
+    def url(self, path: str = "/x") -> httpx.URL:
+        return httpx.URL(f"{'https' if self.ssl else 'http'}://127.0.0.1:{self.port}{path}")
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        served_here = 0
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                n = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(n)
+                self.requests += 1
+                served_here += 1
+                if self.mode == "drop_second" and served_here == 2:
+                    return  # read the request, close without a byte of answer (an idle-timeout race)
+                out = b'{"ok": true, "echo": %d}' % len(body)
+                if self.mode == "cut":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(out) + 100) + out)
+                    await writer.drain()
+                    return
+                extra = b"connection: close\r\n" if self.mode in ("close_header", "close_after") else b""
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+                             % (len(out), extra) + out)
+                await writer.drain()
+                if self.mode == "close_header":
+                    return
+                if self.mode == "close_idle":  # keep-alive advertised, but the server drops idle connections
+                    await asyncio.sleep(0.05)
+                    return
+        finally:
+            writer.close()
+
+
+def _headers(port: int, body: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"host", b"127.0.0.1:%d" % port), (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body))]
+
+
+async def _post(t: LeanTransport, srv: Server, body: bytes = b'{"a": 1}'):
+    return await t.send(srv.url(), b"POST", _headers(srv.port, body), body)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_keep_alive_connections_are_reused():
+    async def main():
+        async with Server() as srv:
+            t = LeanTransport()
+            for _ in range(5):
+                status, headers, body = await _post(t, srv)
+                assert status == 200 and body == b'{"ok": true, "echo": 8}'
+                assert (b"content-type", b"application/json") in headers
+            assert srv.connections == 1 and srv.requests == 5
+            await asyncio.gather(*(_post(t, srv) for _ in range(4)))  # 4 at once: 3 more connections at most
+            assert srv.connections == 4
+            for _ in range(4):
+                await _post(t, srv)
+            assert srv.connections == 4 and srv.requests == 13
+            await t.aclose()
+
+    run(main())
+
+
+@pytest.mark.parametrize("mode", ["close_idle", "drop_second"])
+def test_server_closing_an_idle_connection_costs_a_fresh_one_not_an_error(mode):
+    """close_idle: closed while idle (seen at EOF before reuse); drop_second: closed as the request arrives."""
+    async def main():
+        async with Server(mode) as srv:
+            t = LeanTransport()
+            assert (await _post(t, srv))[0] == 200
+            await asyncio.sleep(0.15)
+            assert (await _post(t, srv))[0] == 200
+            assert srv.connections == 2
+            await t.aclose()
+
+    run(main())
+
+
+def test_connection_close_header_is_honoured():
+    async def main():
+        async with Server("close_header") as srv:
+            t = LeanTransport()
+            for _ in range(3):
+                assert (await _post(t, srv))[0] == 200
+            assert srv.connections == 3 and not any(t._idle.values())
+            await t.aclose()
+
+    run(main())
+
+
+def test_response_cut_midway_is_an_error_and_its_connection_is_dropped():
+    async def main():
+        async with Server("cut") as srv:
+            t = LeanTransport()
+            with pytest.raises(httpx.RemoteProtocolError):
+                await _post(t, srv)
+            assert not any(t._idle.values())  # never back in the pool
+            srv.mode = "ok"
+            assert (await _post(t, srv))[0] == 200 and srv.connections == 2
+            await t.aclose()
+
+    run(main())
+
+
+def test_connect_refused_is_a_connect_error():
+    async def main():
+        async with Server() as srv:
+            url = srv.url()
+        with pytest.raises(httpx.ConnectError):
+            await LeanTransport().send(url, b"POST", _headers(url.port, b"{}"), b"{}")
+
+    run(main())
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate for the TLS test")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_tls_with_a_trusted_certificate_reuses_connections_and_refuses_an_untrusted_one(cert):
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(*cert)
+
+    async def main():
+        async with Server(ssl_context=server_ctx) as srv:
+            t = LeanTransport(ssl.create_default_context(cafile=str(cert[0])))
+            for _ in range(3):
+                status, _, body = await _post(t, srv)
+                assert status == 200 and body.startswith(b'{"ok": true')
+            assert srv.connections == 1  # one handshake, then keep-alive over TLS
+            await t.aclose()
+            untrusted = LeanTransport(ssl.create_default_context())  # the system roots do not hold our cert
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+                await _post(untrusted, srv)
+
+    run(main())
