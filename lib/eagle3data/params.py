@@ -215,6 +215,26 @@ class HiddenParams(Strict):
         1.05, ge=1.0, description="Refuse to start unless free disk >= this x the estimated bytes still to write."
     )
     validate_after: bool = Field(True, description="Validate every stored sample once the index is merged.")
+    final_state: Literal["both", "pre_norm", "post_norm"] = Field(
+        "both",
+        description="Which final state 04 stores after the three aux layers: the pre-norm output of the last decoder "
+                    "layer (what speculators wants: it applies the verifier's norm itself), the post-norm state the "
+                    "model computes (what SpecForge wants: its target head is a bare lm_head), or both (one more "
+                    "hidden x dtype per token).",
+    )
+    layout: Literal["shards", "specforge", "speculators"] = Field(
+        "shards",
+        description="How 04 writes the states: large shards plus an index, or one file per sample in a trainer's own "
+                    "format (SpecForge `.ckpt`, speculators `hs_<i>.safetensors`) that the 05 hand-off hardlinks "
+                    "instead of copying (no second copy of the hidden states).",
+    )
+
+    @model_validator(mode="after")
+    def _layout_has_its_final_state(self) -> "HiddenParams":
+        need = {"specforge": "post_norm", "speculators": "pre_norm"}.get(self.layout)
+        if need and self.final_state not in (need, "both"):
+            raise ValueError(f"layout {self.layout!r} needs the {need} final state: set final_state to {need!r} or 'both'")
+        return self
 
     @field_validator("dataset_caps")
     @classmethod
