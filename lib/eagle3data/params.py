@@ -332,7 +332,8 @@ def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
             if k.lstrip("-").isdigit():
                 i = int(k)
                 if not 0 <= i < len(cur):
-                    raise ParamsError(f"override `{dotted}`: `{here}` has {len(cur)} items (indices 0-{len(cur) - 1}), "
+                    raise ParamsError(f"override `{dotted}`: `{here}` has {len(cur)} item{'s' if len(cur) != 1 else ''} "
+                                      f"(indices 0-{len(cur) - 1}), "
                                       f"no index {k}")
             else:
                 names = [x.get("name") for x in cur if isinstance(x, dict)]

@@ -1,0 +1,192 @@
+"""`python -m eagle3data run ... --only 01` under papermill against the loopback OpenRouter server.
+
+Ctrl-C (SIGINT) and SIGTERM stop like headless generate: dispatch stops, the requests in
+flight finish and are journaled, the ledger is final with its stop reason, exit 3 with one
+line saying how to resume, no traceback; a second SIGINT cancels what is in flight; the
+resume completes. The progress line reaches stdout while 01 runs inside papermill.
+`status` and `stop` work from another process. Every user error is one line and a
+non-zero exit; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from loopback import LoopbackServer  # noqa: E402
+from runfiles import assert_ledger_adds_up  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+KEY_ENV = "EAGLE3DATA_TEST_KEY"
+pytestmark = pytest.mark.slow
+
+
+def _prompts(path: Path, n: int) -> Path:
+    path.write_bytes(b"".join(orjson.dumps({"sample_id": i, "messages": [
+        {"role": "user", "content": f"Question {i}: how do we compute this?"}]}) + b"\n" for i in range(n)))
+    return path
+
+
+def _args(tmp_path: Path, srv: LoopbackServer, n: int, **extra) -> list[str]:
+    o = {"output_root": str(tmp_path / "out"), "run_name": "run",
+         "datasets": [{"name": "d0", "path": str(_prompts(tmp_path / "p.jsonl", n))}],
+         "generate.backend": "openai", "generate.concurrency": 4, "generate.timeout_s": 30,
+         "generate.ledger_interval_s": 0.05, "generate.stop_grace_s": 60,
+         "generate.openai": {"base_url": srv.base_url, "model": "m", "api_key_env": KEY_ENV}}
+    o.update(extra)
+    args = ["params/ci.yaml"]
+    for k, v in o.items():
+        args += ["-p", k, v if isinstance(v, str) else orjson.dumps(v).decode()]
+    return args + ["--only", "01"]
+
+
+def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    e = {**os.environ, KEY_ENV: "sk-loopback", "PYTHONUNBUFFERED": "1"}
+    e.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "eagle3data", *args], cwd=REPO, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    p = _cli(*args, env=env)
+    out, err = p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
+    while not path.exists() or path.read_bytes().count(b"\n") < n:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+
+
+def _wait_status(run_dir: Path, status: str, proc: subprocess.Popen) -> None:
+    while True:
+        led = run_dir / "ledger.json"
+        if led.exists() and f'"status": "{status}"'.encode() in led.read_bytes():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    from eagle3data.records import scan_journal
+
+    return scan_journal(run_dir / "records" / "d0.jsonl").records
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_run_stops_gracefully_and_resume_completes(tmp_path, sig):
+    n = 80
+    with LoopbackServer("openai", latency=0.6) as srv:
+        args = _args(tmp_path, srv, n)
+        run_dir = tmp_path / "out" / "run"
+        proc = _cli("run", *args, "--progress-every", "0.2")
+        _wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
+        proc.send_signal(sig)
+        out, err = proc.communicate()
+        answered = srv.served
+    assert proc.returncode == 3, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "ZMQError" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: ") and sig.name in last and "Resume: python -m eagle3data run params/ci.yaml" in last
+    assert len(err.strip().splitlines()) == 1, err  # the one line, nothing else
+    assert "    generate " in out and "req/s" in out and "elapsed" in out  # the live line, read from stdout
+    recs = _records(run_dir)
+    assert len(recs) == answered  # every response the server answered was journaled
+    led = assert_ledger_adds_up(run_dir)
+    d = led["datasets"]["d0"]
+    assert led["status"] == "stopped" and sig.name in led["stop_reason"]
+    assert d["cancelled"] == 0 and d["done"] == len(recs) < n
+    assert (run_dir / "notebooks" / "01_generate.ipynb").exists() and not (run_dir / "STOP").exists()
+
+    with LoopbackServer("openai") as srv:  # resume: a new server on a new port, the rest of the prompts
+        res = _run("run", *_args(tmp_path, srv, n))
+    assert res.returncode == 0, res.stderr
+    recs = _records(run_dir)
+    assert sorted(r["sample_id"] for r in recs) == list(range(n))  # every sample exactly once
+    led = assert_ledger_adds_up(run_dir)
+    assert led["status"] == "finished" and led["datasets"]["d0"]["done"] == n
+
+
+def test_second_sigint_cancels_in_flight(tmp_path):
+    with LoopbackServer("openai", latency=4.0) as srv:
+        run_dir = tmp_path / "out" / "run"
+        proc = _cli("run", *_args(tmp_path, srv, 60))
+        _wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
+        proc.send_signal(signal.SIGINT)
+        _wait_status(run_dir, "stopping", proc)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate()
+    assert proc.returncode == 3, (out, err)
+    assert "Traceback" not in err and "second SIGINT" in err
+    led = assert_ledger_adds_up(run_dir)
+    d = led["datasets"]["d0"]
+    assert led["status"] == "cancelled" and "second SIGINT" in led["stop_reason"]
+    assert d["cancelled"] > 0 and d["done"] == len(_records(run_dir))
+    assert not set(d["cancelled_ids"]) & {r["sample_id"] for r in _records(run_dir)}
+
+
+def test_status_and_stop_from_another_terminal(tmp_path):
+    with LoopbackServer("openai", latency=0.6) as srv:
+        run_dir = tmp_path / "out" / "run"
+        proc = _cli("run", *_args(tmp_path, srv, 80))
+        _wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
+        st = _run("status", str(run_dir))
+        assert st.returncode == 0 and "RUNNING (01_generate" in st.stdout, st
+        assert "progress (01_generate" in st.stdout and "planned" in st.stdout  # the line and the ledger table
+        sp = _run("stop", str(run_dir))
+        assert sp.returncode == 0 and "STOP" in sp.stdout, sp
+        out, err = proc.communicate()
+        answered = srv.served
+    assert proc.returncode == 3, (out, err)
+    assert "eagle3data stop" in err and "Traceback" not in err
+    led = assert_ledger_adds_up(run_dir)
+    assert led["status"] == "stopped" and "eagle3data stop" in led["stop_reason"]
+    assert len(_records(run_dir)) == answered
+    st = _run("status", str(run_dir))
+    assert st.returncode == 0 and "not running" in st.stdout and "'stopped'" in st.stdout
+
+
+@pytest.mark.parametrize("case, extra, env, words", [
+    ("missing key", {}, {KEY_ENV: ""}, [KEY_ENV, "generate.openai.api_key_env", "not set"]),
+    ("missing model folder", {"model.path": "/nonexistent/Kimi-K2.5"}, {}, ["model.path", "/nonexistent/Kimi-K2.5"]),
+    ("index past a list", {"datasets.9.limit": 3}, {}, ["datasets.9.limit", "has 1 item", "no index 9"]),
+    ("list item by a missing name", {"datasets.my_set.limit": 1}, {}, ["datasets.my_set.limit", "my_set", "d0"]),
+    ("through a scalar", {"run_name.x": 1}, {}, ["run_name.x", "run_name", "str"]),
+])
+def test_user_errors_are_one_line(tmp_path, case, extra, env, words):
+    with LoopbackServer("openai") as srv:
+        res = _run("run", *_args(tmp_path, srv, 3, **extra), env=env)
+    assert res.returncode == 2, (case, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (case, res.stderr)
+    for w in words:
+        assert w in lines[0], (case, w, lines[0])
+    assert not (tmp_path / "out" / "run" / "records").exists()  # caught before any work
+
+
+def test_dataset_by_name_override_and_debug_traceback(tmp_path):
+    from eagle3data.params import load_params
+
+    p = load_params(REPO / "params" / "ci.yaml", {"datasets.b5_openthoughts.limit": 1})
+    assert [(d.name, d.limit) for d in p.datasets] == [("b1_glaive", 2), ("b5_openthoughts", 1)]
+    res = _run("--debug", "run", "params/ci.yaml", "-p", "run_name.x", "1")
+    assert res.returncode != 0 and "Traceback" in res.stderr and "run_name.x" in res.stderr
+    res = _run("run", "params/ci.yaml", "-p", "run_name.x", "1", "--debug")
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_headless_generate_missing_model_folder_is_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "eagle3data.generate", "params/ci.yaml", "-p", "model.path",
+                          "/nonexistent/model", "-p", "output_root", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == ["error: model.path: model folder not found: /nonexistent/model"]
