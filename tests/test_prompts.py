@@ -60,3 +60,91 @@ def test_template_prompt_ends_with_the_generation_prompt(smollm2_tokenizer):
     ids = template_prompt(smollm2_tokenizer, p, SMOLLM2)
     assert smollm2_tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     assert ids.count(SMOLLM2.end_of_turn.id) == 2  # default system turn + user turn
+
+
+# ---- loud bad input (issue 13): cut-off lines, wrong file types, missing and empty files, the run stop
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _ci_params(tmp_path, datasets):
+    from eagle3data.params import load_params
+
+    return load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path / "out"), "datasets": datasets})
+
+
+def test_a_line_cut_in_half_says_the_line_is_cut_off(tmp_path):
+    f = tmp_path / "cut.jsonl"
+    whole = json.dumps({"sample_id": 2, "messages": [{"role": "user", "content": "a complete line"}]})
+    f.write_text(json.dumps(GOOD) + "\n" + whole[:40] + "\n" + whole + "\n" + whole.replace('"2', '"3')[:25])
+    ps = load_prompts(f)
+    assert [p.sample_id for p in ps.prompts] == [1, 2]
+    assert ps.skipped[0].startswith(f"{f}:2: not valid JSON: the line is cut off")
+    assert ps.skipped[1].startswith(f"{f}:4: not valid JSON: the line is cut off")  # the last line, no newline
+    assert "control character" not in " ".join(ps.skipped)
+
+
+def test_params_validation_names_a_missing_file_and_a_parquet_file_named_jsonl(tmp_path):
+    import pytest
+
+    from eagle3data.params import ParamsError, check_dataset_files
+
+    parquet_as_jsonl = tmp_path / "oci.jsonl"
+    parquet_as_jsonl.write_bytes((REPO / "tests/fixtures/formats/opencodeinstruct.parquet").read_bytes())
+    p = _ci_params(tmp_path, [{"name": "a", "path": str(tmp_path / "missing.jsonl")},
+                              {"name": "b", "path": str(parquet_as_jsonl), "format": "opencodeinstruct"},
+                              {"name": "c", "path": "builtin:b1_glaive"}])
+    with pytest.raises(ParamsError) as e:
+        check_dataset_files(p)
+    lines = str(e.value).splitlines()
+    assert lines == [f"datasets.0 (a, format prompts): prompt file not found: {tmp_path / 'missing.jsonl'}",
+                     f"datasets.1 (b, format opencodeinstruct): {parquet_as_jsonl}: is a parquet file, not JSON text "
+                     "(rename it to .parquet)"]
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ParamsError, match="empty.jsonl: the file is empty"):
+        check_dataset_files(_ci_params(tmp_path, [{"name": "e", "path": str(tmp_path / "empty.jsonl")}]))
+    with pytest.raises(ParamsError, match="unknown dataset format 'alpaca'"):
+        _ci_params(tmp_path, [{"name": "x", "path": "builtin:b1_glaive", "format": "alpaca"}])
+
+
+def test_zero_usable_prompts_or_too_many_rejected_stop_the_run_and_print_the_reasons(tmp_path, capsys):
+    import pytest
+
+    from eagle3data.generate import _check_prompt_sets
+    from eagle3data.prompts import PromptDataError, load_datasets
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"sample_id": 1, "messages": [{"role": "user", "content": "cut\n{"sample_id": 2}\n')
+    p = _ci_params(tmp_path, [{"name": "bad", "path": str(bad)}])
+    with pytest.raises(PromptDataError) as e:
+        _check_prompt_sets(p, load_datasets(p))
+    assert f"dataset bad: no usable prompt in {bad} (format prompts, 2 rows, 2 rejected); first: {bad}:1: not valid JSON: " \
+           "the line is cut off" in str(e.value)
+    out = capsys.readouterr().out
+    assert "prompts bad: 2 of 2 rows rejected (100%)" in out and f"{bad}:2: missing field `messages`" in out.replace(
+        "field `messages` must be a non-empty list", "missing field `messages`")
+
+    half = tmp_path / "half.jsonl"
+    half.write_text(json.dumps(GOOD) + "\n{oops\n")
+    p = _ci_params(tmp_path, [{"name": "half", "path": str(half), "max_rejected_share": 0.4}])
+    with pytest.raises(PromptDataError, match=r"dataset half: 1 of 2 rows rejected \(50%\) .* more than max_rejected_share 0.4"):
+        _check_prompt_sets(p, load_datasets(p))
+    p = _ci_params(tmp_path, [{"name": "half", "path": str(half), "max_rejected_share": 0.5}])
+    _check_prompt_sets(p, load_datasets(p))  # at the limit: runs, and says what it rejected
+    assert f"prompts half: 1 of 2 rows rejected (50%)" in capsys.readouterr().out
+
+
+def test_headless_generate_exits_non_zero_with_one_line_for_an_unusable_dataset(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"sample_id": 1, "messages": [{"role": "us\n')  # the one line is cut off
+    proc = subprocess.run([sys.executable, "-m", "eagle3data.generate", "params/ci.yaml", "--quiet",
+                           "-p", "output_root", str(tmp_path / "out"),
+                           "-p", "datasets", json.dumps([{"name": "bad", "path": str(bad)}])],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"dataset bad: no usable prompt in {bad}" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"{bad}:1: not valid JSON: the line is cut off" in proc.stdout  # 01 printed the reasons
+    assert not (tmp_path / "out" / "ci" / "records" / "bad.jsonl").exists()

@@ -36,6 +36,7 @@ class Normalized:
     tools: list[dict[str, Any]] | None = None
     row_id: int | str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None  # the prompt as given (`prompts`); None: cut from conversation
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,7 @@ def _prompts(obj: dict[str, Any]) -> Normalized:
     meta = obj.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise RowError("field `meta` must be an object")
-    return Normalized(conv or msgs, tools, sid, dict(meta or {}))
+    return Normalized(conv or msgs, tools, sid, dict(meta or {}), messages=msgs)
 
 
 @_register("openai", "any file of OpenAI chat `messages` (the common export shape)",

@@ -386,7 +386,7 @@ def row_to_prompt(fmt: DatasetFormat, row: dict[str, Any], dataset: str) -> Prom
     """One published row as a Prompt; raises RowError with the reason."""
     n = fmt.normalize(row)
     conv = n.conversation
-    msgs = list(conv)
+    msgs = list(conv if n.messages is None else n.messages)
     meta = dict(n.meta)
     if fmt.drop_trailing_reply and msgs and msgs[-1]["role"] == "assistant":
         last = msgs.pop()
