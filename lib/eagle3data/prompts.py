@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import orjson
 
-from .formats import FORMATS, ROLES, DatasetFormat, RowError, get_format, guess_formats
+from .formats import ROLES, DatasetFormat, RowError, get_format, guess_formats
 from .profiles import Profile
 
 BUILTIN_PREFIX = "builtin:"
