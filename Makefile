@@ -47,8 +47,7 @@ bench: model ## run the benchmarks; figures go to outputs/bench/*.json
 	@set -e; for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f; done
 	@echo "figures: outputs/bench/"
 
-lab: model ## start JupyterLab on the registered eagle3data kernel, opening notebooks/
-	$(BIN)/pip install -q -e ".[lab]"
+lab: model ## start JupyterLab (installed by `make install`, no network) on the registered eagle3data kernel, opening notebooks/
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 notebooks: $(STAMP) ## regenerate notebooks/*.ipynb from their jupytext .py sources (outputs stripped)
