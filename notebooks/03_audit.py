@@ -27,7 +27,8 @@
 
 # %%
 from eagle3data import plots
-from eagle3data.audit import ledger_table, run_audit
+from eagle3data.audit import run_audit
+from eagle3data.ledger import ledger_frame
 from eagle3data.inspector import failing_records, inspect_record
 from eagle3data.models import tokenizer_for
 from eagle3data.params import load_params
@@ -63,7 +64,7 @@ params_html(P)
 # skipped mostly long prompts, the data is biased towards short ones and this shows it.
 
 # %%
-show_table(ledger_table(result.ledger), "ledger-table")
+show_table(ledger_frame(result.ledger), "ledger-table")
 
 # %%
 plots.prompt_length_bias(result.skipped_lengths)

@@ -10,6 +10,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+# the test-only stand-in Kimi vocabulary (`synthetic:kimi-k2.5`): registered here, and named for
+# the notebook kernels and subprocesses the tests start
+os.environ["EAGLE3DATA_PLUGINS"] = str(REPO / "tests" / "synthetic.py")
+import synthetic  # noqa: E402,F401  (registers the tokenizer source)
 
 
 @pytest.fixture(scope="session")

@@ -229,6 +229,7 @@ class LoopbackServer:
         self.api_key = api_key
         self.rng = random.Random(seed)
         self.faults: deque[str] = deque()
+        self.script: Any = None  # SGLang kind: prompt ids -> output ids, instead of the generated ones
         self.always: str | None = None
         self.requests: list[dict[str, Any]] = []
         self.probes: list[float] = []  # when GET /v1/models was answered (vLLM kind)
@@ -362,6 +363,8 @@ class LoopbackServer:
         for p in ids if batch else [ids]:
             n = 3 + (len(p) + sum(p[-3:])) % 13  # deterministic per prompt
             body = [100 + (len(p) * 7 + i * 31) % 4000 for i in range(n)] + [self.eot_id]
+            if self.script is not None:  # a test's own output ids for this prompt
+                body = list(self.script(p))
             if len(body) > max_new:
                 body, fr = body[:max_new], {"type": "length", "length": max_new}
             else:

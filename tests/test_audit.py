@@ -11,10 +11,13 @@ import numpy as np
 import orjson
 import pytest
 
-from eagle3data.audit import (FAIL, NA, NOT_RUN, PASS, audit_table, load_run, read_journal, upper95)
+from eagle3data.audit import audit_table
+from eagle3data.checks import FAIL, NA, NOT_RUN, PASS
+from eagle3data.idtable import load_run, read_journal
+from eagle3data.stats import upper95
 from eagle3data.cli import main as cli_main
 from eagle3data.profiles import KIMI_K25, SMOLLM2
-from eagle3data.synthetic import SyntheticTokenizer, synthetic_id_table, synthetic_records
+from synthetic import SyntheticTokenizer, synthetic_id_table, synthetic_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,7 +94,9 @@ def test_api_records_use_rebuilt_ids_from_reconstruct_when_present(kimi_records,
     run = tmp_path / "run"
     api = [dict(r, source="api", provider="P", ids_exact=False) for r in kimi_records[:3] if r["finish_reason"] == "stop"]
     rebuilt = [{"dataset": r["dataset"], "sample_id": r["sample_id"], "output_ids": r["output_ids"],
-                "prompt_ids": r["prompt_ids"], "ids_exact": False} for r in api]
+                "prompt_ids": r["prompt_ids"], "input_ids": r["prompt_ids"] + r["output_ids"],
+                "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"]), "ids_exact": False}
+               for r in api]  # the lines 02 writes
     for r in api:
         r["output_ids"] = None
     write_jsonl(run / "records" / "synthetic.jsonl", api)

@@ -15,11 +15,13 @@ from typing import Any, Callable
 import orjson
 import pytest
 
-from eagle3data.audit import FAIL, audit_table, read_journal
+from eagle3data.audit import audit_table
+from eagle3data.checks import FAIL
+from eagle3data.idtable import read_journal
 from eagle3data.profiles import KIMI_K25, SMOLLM2, Profile
 from eagle3data.prompts import Prompt, template_prompt
 from eagle3data.records import read_records
-from eagle3data.synthetic import SyntheticTokenizer, synthetic_records
+from synthetic import SyntheticTokenizer, synthetic_records
 
 
 def audit_records(records: list[dict[str, Any]], profile: Profile, tokenizer: Any, tmp_path: Path):
@@ -234,9 +236,28 @@ def test_smollm2_mutant_is_flagged_by_its_check(mutation, smol_clean, smollm2_to
 def test_duplicate_sample_is_flagged(profile_name, kimi_clean, kimi_tok, smol_clean, smollm2_tokenizer, tmp_path):
     recs, prof, tok = ((kimi_clean, KIMI_K25, kimi_tok) if profile_name == "kimi"
                        else (smol_clean, SMOLLM2, smollm2_tokenizer))
-    recs = copy.deepcopy(recs) + [copy.deepcopy(recs[1])]
-    fails = failures(audit_records(recs, prof, tok, tmp_path))
-    assert fails == {len(recs) - 1: ["dataset.unique_sample_id"]}
+    recs = copy.deepcopy(recs) + [copy.deepcopy(recs[1])]  # two completed records for one sample
+    res = audit_records(recs, prof, tok, tmp_path)
+    fails = failures(res)
+    # the sample's record is its latest line, and it fails; the earlier line is shown as superseded
+    assert fails == {len(recs) - 2: ["dataset.unique_sample_id"]}
+    assert res.meta["sample_id"].iloc[len(recs) - 2] == recs[1]["sample_id"]
+    assert res.superseded[["sample_id", "line", "record_line"]].values.tolist() == [[recs[1]["sample_id"], 2, len(recs)]]
+
+
+@pytest.mark.parametrize("profile_name", ["kimi", "smollm2"])
+def test_retried_error_is_superseded_not_a_failure(profile_name, kimi_clean, kimi_tok, smol_clean, smollm2_tokenizer,
+                                                   tmp_path):
+    recs, prof, tok = ((kimi_clean, KIMI_K25, kimi_tok) if profile_name == "kimi"
+                       else (smol_clean, SMOLLM2, smollm2_tokenizer))
+    err = {**copy.deepcopy(recs[0]), "output_ids": None, "reasoning": None, "content": None,
+           "finish_reason": "error", "error": "HTTP 503"}
+    recs = [err] + copy.deepcopy(recs)  # the error was journaled first; its retry succeeded later
+    res = audit_records(recs, prof, tok, tmp_path)
+    assert failures(res) == {}
+    assert len(res.meta) == len(recs) - 1
+    assert res.superseded[["sample_id", "finish_reason", "line"]].values.tolist() == [[err["sample_id"], "error", 1]]
+    assert res.summary()["superseded_lines"] == 1 and res.summary()["records_failed"] == 0
 
 
 def test_identical_output_for_a_different_prompt_is_flagged(kimi_clean, kimi_tok, tmp_path):

@@ -6,14 +6,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from eagle3data import audit
-from eagle3data.audit import FAIL, NA, PASS, IdTable, cross_record_checks, special_events, structural_checks
+from eagle3data import checks
+from eagle3data.checks import FAIL, NA, PASS, cross_record_checks, special_events, structural_checks
+from eagle3data.idtable import IdTable
 from eagle3data.profiles import KIMI_K25
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16, np.uint32])
 def test_special_events_match_a_python_scan(dtype, monkeypatch):
-    monkeypatch.setattr(audit, "_CHUNK", 1000)  # many chunks, hits on their edges
+    monkeypatch.setattr(checks, "_CHUNK", 1000)  # many chunks, hits on their edges
     rng = np.random.default_rng(0)
     info = np.iinfo(dtype)
     ids = rng.integers(max(info.min, -3000), min(info.max, 3000), size=5000).astype(dtype)

@@ -20,9 +20,10 @@ from eagle3data.export import (
     build_draft_vocab,
     conversation,
     coverage_curve,
-    export,
+    export_format,
     load_draft_vocab,
     output_token_counts,
+    params_of_run,
     select_samples,
 )
 from eagle3data.records import iter_run_records
@@ -49,7 +50,20 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def _source(run_dir: Path) -> dict[str, dict]:
-    return {f"{r['dataset']}:{r['sample_id']}": r for r in iter_run_records(run_dir)}
+    return {f"{r['dataset']}/{r['sample_id']}": r for r in iter_run_records(run_dir)}
+
+
+def _params(run_dir: Path, draft_vocab_size: int = 32000, **hidden):
+    """The run's own params (as `eagle3data export RUN` reads them), with a draft vocabulary size."""
+    p = params_of_run(run_dir)
+    p.export.draft_vocab_size = draft_vocab_size
+    for k, v in hidden.items():
+        setattr(p.hidden, k, v)
+    return p
+
+
+def _export(run_dir: Path, out: Path, fmt: str, draft_vocab_size: int, **hidden) -> dict:
+    return export_format(_params(run_dir, draft_vocab_size, **hidden), out, fmt)
 
 
 def _expected(rec: dict) -> tuple[list[int], list[int]]:
@@ -58,7 +72,7 @@ def _expected(rec: dict) -> tuple[list[int], list[int]]:
 
 def test_specforge_round_trip_keeps_ids_and_masks(run_copy, tmp_path):
     out = tmp_path / "sf"
-    m = export(run_copy, out, "specforge", draft_vocab_size=64, target_vocab_size=VOCAB)
+    m = _export(run_copy, out, "specforge", 64)
     src = _source(run_copy)
     rows = _jsonl(out / "token_ids.jsonl")
     assert m["exported"] == len(rows) == len(src) == 4
@@ -83,7 +97,7 @@ def test_specforge_round_trip_keeps_ids_and_masks(run_copy, tmp_path):
 
 def test_speculators_round_trip_keeps_ids_and_masks(run_copy, tmp_path):
     out = tmp_path / "spec"
-    export(run_copy, out, "speculators", draft_vocab_size=64, target_vocab_size=VOCAB)
+    _export(run_copy, out, "speculators", 64)
     src = _source(run_copy)
     table = pq.read_table(out / "data.parquet").to_pylist()
     assert len(table) == len(src)
@@ -100,7 +114,7 @@ def test_speculators_round_trip_keeps_ids_and_masks(run_copy, tmp_path):
 
 def test_d2t_and_t2d_agree(run_copy, tmp_path):
     out = tmp_path / "sf"
-    export(run_copy, out, "specforge", draft_vocab_size=128, target_vocab_size=VOCAB)
+    _export(run_copy, out, "specforge", 128)
     d2t, t2d = load_draft_vocab(out / "draft_vocab.safetensors")
     assert d2t.dtype == np.int64 and d2t.shape == (128,) and t2d.dtype == bool and t2d.shape == (VOCAB,)
     target = np.arange(128) + d2t  # target_id = draft_id + d2t[draft_id]
@@ -136,7 +150,7 @@ def test_fill_when_fewer_distinct_tokens_than_the_size():
 
 
 def test_output_token_counts_use_loss_mask_only(run_copy):
-    sel = select_samples(run_copy)
+    sel = select_samples(_params(run_copy))
     counts = output_token_counts(sel.samples, VOCAB)
     assert counts.sum() == sum(len(r["output_ids"]) for r in iter_run_records(run_copy))
 
@@ -148,18 +162,17 @@ def test_failed_and_unaudited_records_are_skipped_and_counted(run_copy, tmp_path
                 for r in recs if r is not unaudited]
     verdicts[0]["failed"] = ["ends_with_end_of_turn"]
     _write_jsonl(run_copy / "audit" / "verdicts.jsonl", verdicts)
-    m = export(run_copy, tmp_path / "sf", "specforge", draft_vocab_size=32, target_vocab_size=VOCAB)
+    m = _export(run_copy, tmp_path / "sf", "specforge", 32)
     assert m["exported"] == len(recs) - 2
-    assert m["skipped"] == {"failed_audit": 1, "no_verdict": 1}
+    assert m["skipped"] == {"audit_failed": 1, "not_audited": 1}  # the mix's reasons (mix.DROP_REASONS)
     reasons = {(s["dataset"], s["sample_id"]): s["reason"] for s in m["skipped_samples"]}
-    assert reasons[(failed["dataset"], failed["sample_id"])] == "failed_audit"
-    assert reasons[(unaudited["dataset"], unaudited["sample_id"])] == "no_verdict"
+    assert reasons[(failed["dataset"], str(failed["sample_id"]))] == "audit_failed"
+    assert reasons[(unaudited["dataset"], str(unaudited["sample_id"]))] == "not_audited"
     ids = {r["id"] for r in _jsonl(tmp_path / "sf" / "token_ids.jsonl")}
-    assert f"{failed['dataset']}:{failed['sample_id']}" not in ids
-    # told otherwise: failed records go out too
-    m2 = export(run_copy, tmp_path / "sf2", "specforge", draft_vocab_size=32, target_vocab_size=VOCAB,
-                include_failed=True)
-    assert m2["exported"] == len(recs) - 1 and m2["skipped"] == {"no_verdict": 1}
+    assert f"{failed['dataset']}/{failed['sample_id']}" not in ids
+    # told otherwise (hidden.include_failed, the one rule's switch): no audit filter at all
+    m2 = _export(run_copy, tmp_path / "sf2", "specforge", 32, include_failed=True)
+    assert m2["exported"] == len(recs) and m2["skipped"] == {}
 
 
 def _api_record(rec: dict, sample_id: int) -> dict:
@@ -179,11 +192,11 @@ def test_api_records_take_rebuilt_ids_or_are_skipped(run_copy, tmp_path):
     _write_jsonl(run_copy / "reconstruct" / f"{base['dataset']}.jsonl", [
         {"dataset": base["dataset"], "sample_id": 9001, "source": "api", "ids_exact": False,
          "input_ids": rebuilt_ids, "loss_mask": rebuilt_mask, "flags": []}])
-    m = export(run_copy, tmp_path / "sp", "speculators", draft_vocab_size=32, target_vocab_size=VOCAB)
+    m = _export(run_copy, tmp_path / "sp", "speculators", 32)
     assert m["skipped"] == {"error": 1, "no_ids": 1}
     assert m["ids_rebuilt"] == 1 and m["ids_exact"] == 4
     rows = {r["id"]: r for r in pq.read_table(tmp_path / "sp" / "data.parquet").to_pylist()}
-    api = rows[f"{base['dataset']}:9001"]
+    api = rows[f"{base['dataset']}/9001"]
     assert api["input_ids"] == rebuilt_ids and api["loss_mask"] == rebuilt_mask and api["ids_exact"] is False
     conv = conversation(_api_record(base, 9001))
     assert conv["conversations"][-1]["reasoning_content"] == "think first"
@@ -194,7 +207,7 @@ def test_bad_reconstruct_line_names_file_line_and_field(run_copy, tmp_path):
                  [{"dataset": "b1_glaive", "sample_id": 1, "input_ids": [1, 2], "loss_mask": [0, 1]},
                   {"dataset": "b1_glaive", "sample_id": 2, "input_ids": [1, 2]}])
     with pytest.raises(ExportError, match=r"b1_glaive\.jsonl:2: missing field\(s\) loss_mask"):
-        select_samples(run_copy)
+        select_samples(_params(run_copy))
 
 
 def test_cli_exports_and_reports(run_copy, tmp_path):

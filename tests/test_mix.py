@@ -28,11 +28,11 @@ def run(tmp_path):
         _rec("b1_glaive", 3, output=None, source="api"),  # API record, rebuilt by 02
         _rec("b1_glaive", 4, output=None, source="api"),  # API record, 02 has no line for it
         _rec("b1_glaive", 5, output=None, finish_reason="error", error="boom"),
-        _rec("b1_glaive", 1, output=(10, 11, 2)),  # same key again (journal repeated)
+        _rec("b1_glaive", 1, output=(10, 11, 2)),  # same key completed again: a real duplicate
     ])
     _write(rd / "records" / "b5_openthoughts.jsonl", [
         _rec("b5_openthoughts", 7, prompt=(20, 21), output=(22, 2)),
-        _rec("b5_openthoughts", 8, prompt=(1, 2, 3), output=(10, 11, 2)),  # same ids as b1_glaive/1
+        _rec("b5_openthoughts", 8, prompt=(1, 2, 3), output=(12, 2)),  # same ids as b1_glaive/2
         _rec("b5_openthoughts", 9, prompt=(30,), output=(31, 32, 2), finish_reason="length"),
     ])
     _write(rd / "reconstruct" / "b1_glaive.jsonl", [
@@ -49,23 +49,26 @@ def _keys(mix) -> set[str]:
 def test_exact_and_rebuilt_ids_and_drop_reasons(run):
     mix = build_mix(run)
     by = {s.key: s for s in mix.samples}
-    assert _keys(mix) == {"b1_glaive/1", "b1_glaive/2", "b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}
-    s = by["b1_glaive/1"]
-    assert s.input_ids == [1, 2, 3, 10, 11, 2] and s.loss_mask == [0, 0, 0, 1, 1, 1] and s.ids_exact
+    assert _keys(mix) == {"b1_glaive/2", "b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}
+    s = by["b1_glaive/2"]
+    assert s.input_ids == [1, 2, 3, 12, 2] and s.loss_mask == [0, 0, 0, 1, 1] and s.ids_exact
     api = by["b1_glaive/3"]
     assert api.input_ids == [1, 2, 3, 40, 41, 2] and api.loss_mask == [0, 0, 0, 1, 1, 1]
     assert api.ids_exact is False and api.source == "api"
-    reasons = {(d["dataset"], d["sample_id"]): d["reason"] for d in mix.dropped}
-    assert reasons == {("b1_glaive", "4"): "no_ids", ("b1_glaive", "5"): "error",
-                       ("b1_glaive", "1"): "duplicate_key", ("b5_openthoughts", "8"): "duplicate_ids"}
+    reasons = sorted((d["dataset"], d["sample_id"], d["reason"]) for d in mix.dropped)
+    assert reasons == [("b1_glaive", "1", "duplicate_key"), ("b1_glaive", "1", "superseded"),
+                       ("b1_glaive", "4", "no_ids"), ("b1_glaive", "5", "error"),
+                       ("b5_openthoughts", "8", "duplicate_ids")]
     m = mix.manifest
-    assert m["samples"] == 5 and m["records_read"] == 9
+    assert m["samples"] == 4 and m["records_read"] == 9
     assert m["datasets"]["b1_glaive"]["by_source"] == {
-        "local": {"samples": 2, "tokens": 11, "ids_exact": 2}, "api": {"samples": 1, "tokens": 6, "ids_exact": 0}}
-    assert m["dropped_counts"]["b1_glaive"] == {"no_ids": 1, "error": 1, "duplicate_key": 1}
+        "local": {"samples": 1, "tokens": 5, "ids_exact": 1}, "api": {"samples": 1, "tokens": 6, "ids_exact": 0}}
+    assert m["dropped_counts"]["b1_glaive"] == {"superseded": 1, "duplicate_key": 1, "no_ids": 1, "error": 1}
     assert m["audit_applied"] is False and "NO audit filter" in m["audit_note"]
-    assert mix.table()["samples"].sum() == 5
-    assert int(mix.dropped_table()["records"].sum()) == 4
+    assert mix.table()["samples"].sum() == 4
+    assert int(mix.dropped_table()["records"].sum()) == 5
+    # every journal line is in the mix or dropped with exactly one reason
+    assert m["samples"] + len(mix.dropped) == m["records_read"]
     assert mix.weights_table().empty  # no weights asked
 
 
@@ -78,7 +81,7 @@ def test_audit_verdicts_filter_unless_include_failed(run):
         {"dataset": "b5_openthoughts", "sample_id": 9, "failed": [], "truncated": True},
     ])
     mix = build_mix(run)
-    assert _keys(mix) == {"b1_glaive/1", "b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}
+    assert _keys(mix) == {"b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}
     failed = [d for d in mix.dropped if d["reason"] == "audit_failed"]
     assert failed == [{"dataset": "b1_glaive", "sample_id": "2", "reason": "audit_failed",
                        "checks": ["ends_with_end_of_turn"]}]
@@ -95,9 +98,9 @@ def test_audit_verdicts_filter_unless_include_failed(run):
 
 def test_record_without_verdict_is_not_audited_when_audit_ran(run):
     _write(run.run_dir / "audit" / "verdicts.jsonl",
-           [{"dataset": "b1_glaive", "sample_id": 1, "failed": [], "truncated": False}])
+           [{"dataset": "b1_glaive", "sample_id": 2, "failed": [], "truncated": False}])
     mix = build_mix(run)
-    assert _keys(mix) == {"b1_glaive/1"}
+    assert _keys(mix) == {"b1_glaive/2"}
     assert mix.manifest["dropped_counts"]["b5_openthoughts"]["not_audited"] == 3
 
 
@@ -106,7 +109,7 @@ def test_caps_and_seeded_shuffle_are_deterministic(run):
     a, b = build_mix(run, write=False), build_mix(run, write=False)
     assert [s.key for s in a.samples] == [s.key for s in b.samples]
     assert sum(s.dataset == "b1_glaive" for s in a.samples) == 1
-    assert sum(d["reason"] == "over_cap" for d in a.dropped) == 2
+    assert sum(d["reason"] == "over_cap" for d in a.dropped) == 1
     orders = set()
     for seed in range(6):
         run.hidden.seed = seed
@@ -132,7 +135,7 @@ def test_written_mix_reads_back(run):
 
 def test_bad_reconstruct_line_names_file_line_and_field(run):
     _write(run.run_dir / "reconstruct" / "b1_glaive.jsonl", [{"dataset": "b1_glaive", "sample_id": 3}])
-    with pytest.raises(MixError, match=r"reconstruct/b1_glaive.jsonl:1: missing field `input_ids`"):
+    with pytest.raises(MixError, match=r"reconstruct/b1_glaive.jsonl:1: missing field\(s\) input_ids"):
         build_mix(run)
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from eagle3data.profiles import QWEN3, SMOLLM2, Token, ToolCallTokens
-from eagle3data.reconstruct import (ApiTurn, measure_drift, rebuild_batch, split_like_api, tool_call,
+from eagle3data.reconstruct import (ApiTurn, measure_drift, rebuild_batch, tool_call,
                                     wilson_interval)
 
 # SmolLM2 has no think or tool-call tokens: this profile borrows its unused added tokens so
@@ -291,8 +291,8 @@ def test_drift_roundtrips_native_tool_calls(qwen, smollm2_tokenizer):
     for tok, prof in ((qwen, QWEN3), (smollm2_tokenizer, SMOL_REASONING)):
         calls = [tool_call("f", {"a": 1, "b": "ü"}, "functions.f:0"), tool_call("g", {}, "functions.g:1")]
         rb = one(tok, prof, ApiTurn("why", "Calling.", calls, billed_tokens=None))
-        parts = split_like_api(rb.output_ids, prof)
-        assert parts["calls"] is not None and len(parts["calls"]) == 2
+        parts = prof.split_output(rb.output_ids)
+        assert parts.calls is not None and len(parts.calls) == 2
         dr = measure_drift([_exact_record(rb.output_ids)], tok, prof)
         assert dr.exact == 1, dr.examples
 

@@ -4,12 +4,11 @@ A run's samples go out in two forms: text conversations (`id`, `conversations` w
 `content`, `reasoning_content`) for trainers that re-template, and token-level records
 (`input_ids`, `loss_mask`, per-sample metadata) that keep this project's exact ids.
 
-Sources of ids: exact records (`records/*.jsonl`, output_ids present) give
-`input_ids = prompt_ids + output_ids`, `loss_mask` 0 on the prompt and 1 on every output token
-(end-of-turn included); API records take the rebuilt ids of `reconstruct/<dataset>.jsonl`, and
-are skipped (and counted) when stage 02 has not rebuilt them. When `audit/verdicts.jsonl`
-exists only records that passed every check go out (unless `include_failed`). Every skip is
-counted by reason in `manifest.json`.
+What goes out is exactly 04's training mix (`hidden/mix.parquet`: same keys, same order, the
+same ids and loss masks), so the one selection rule of `mix.py` decides, and every sample left
+out carries its one reason from `mix.DROP_REASONS` into `manifest.json`. When 04 has stored
+hidden states, the export checks that the hidden-state index holds exactly the mix's keys in
+order. Without a written mix (04 off), the mix is built here with the same rule.
 
 The draft vocabulary is the `draft_vocab_size` most frequent target ids among output tokens
 (loss_mask 1), ties broken by the smaller id; when fewer distinct ids exist it is filled with
@@ -31,8 +30,7 @@ from typing import Any, Iterable, Literal
 import numpy as np
 import orjson
 
-from .records import record_key
-from .sequences import RunFileError, Sample, latest_records, read_rebuilt, read_verdicts, resolve
+from .reader import RunFileError, Sample, read_run
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -48,7 +46,7 @@ def token_record(s: Sample) -> dict[str, Any]:
     meta = {k: getattr(s, k) for k in META_FIELDS}
     if s.record is not None:
         meta["sample_id"] = s.record["sample_id"]
-    return {"id": s.id, **meta, "input_ids": s.input_ids, "loss_mask": s.loss_mask}
+    return {"id": str(s.key), **meta, "input_ids": s.input_ids, "loss_mask": s.loss_mask}
 
 
 @dataclass
@@ -59,6 +57,7 @@ class Selection:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     verdicts_present: bool = False
     include_failed: bool = False
+    mix_source: str = ""  # where the mix came from: hidden/mix.parquet, or built here
 
     def skipped_counts(self) -> dict[str, int]:
         return dict(sorted(Counter(s["reason"] for s in self.skipped).items()))
@@ -106,39 +105,60 @@ class DraftVocab:
 # ---------------------------------------------------------------- reading a run
 
 
-def select_samples(run_dir: str | Path, *, include_failed: bool = False) -> Selection:
-    """Samples of a run ready for export, and every skipped record with its reason.
+def select_samples(params: Any) -> Selection:
+    """The samples to export: 04's training mix in mix order, each with its record; the mix's drops as skips.
 
-    Reasons: `error` (no response), `abort` (cut short by a stop), `no_ids` (API record not
-    rebuilt by stage 02), `no_verdict` (audit ran but has no verdict for it), `failed_audit`.
+    Reads the written mix (`hidden/mix.parquet`) when there is one and checks it against the
+    hidden-state index when 04 stored states; otherwise builds the mix with the same rule
+    (without writing it). The records come through the one reader, read once.
     """
-    run_dir = Path(run_dir)
+    from .mix import MIX_FILE, build_mix, hidden_dir, read_mix
+    from .models import context_limit
+
+    run_dir = params.run_dir
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
-    verdicts = read_verdicts(run_dir, error=ExportError)
-    rebuilt = read_rebuilt(run_dir, error=ExportError)
-    sel = Selection(verdicts_present=verdicts is not None, include_failed=include_failed)
-    for rec in latest_records(run_dir):
-        base = {"dataset": rec["dataset"], "sample_id": rec["sample_id"]}
-        fr = rec["finish_reason"]
-        if fr in ("error", "abort"):
-            sel.skipped.append({**base, "reason": fr})
-            continue
-        if verdicts is not None:
-            v = verdicts.get(record_key(rec))
-            if v is None:
-                sel.skipped.append({**base, "reason": "no_verdict"})
-                continue
-            failed = list(v["failed"] or [])
-            if failed and not include_failed:
-                sel.skipped.append({**base, "reason": "failed_audit", "failed": failed})
-                continue
-        s = resolve(rec, rebuilt, keep_record=True)
-        if s is None:
-            sel.skipped.append({**base, "reason": "no_ids"})
-            continue
-        sel.samples.append(s)
-    return sel
+    hdir = hidden_dir(params)
+    if (hdir / MIX_FILE).exists():
+        mix, where = read_mix(hdir), f"{hdir / MIX_FILE} (04's mix)"
+        _check_index(hdir, mix)
+        view = read_run(run_dir, sorted({s.dataset for s in mix.samples}), error=ExportError,
+                        rebuilt=False, verdicts=False)
+    else:
+        view = read_run(run_dir, [d.name for d in params.datasets if (run_dir / "records" / f"{d.name}.jsonl").exists()],
+                        error=ExportError)
+        mix = build_mix(params, write=False, view=view, max_context=context_limit(params))
+        where = "built here with the mix rule (no hidden/mix.parquet: 04 has not run)"
+    records = view.by_key()
+    samples = []
+    for s in mix.samples:
+        rec = records.get(s.key)
+        if rec is None:
+            raise ExportError(f"{hdir / MIX_FILE}: sample {s.key} is not among the run's records: the mix is stale, "
+                              "rebuild it (run 04 again)")
+        samples.append(Sample(s.dataset, s.sample_id, s.source, s.ids_exact, rec.get("finish_reason"), s.input_ids,
+                              s.loss_mask, rec))
+    man = mix.manifest
+    return Selection(samples=samples, skipped=list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
+                     include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where)
+
+
+def _check_index(hdir: Path, mix: Any) -> None:
+    """When 04 stored hidden states, its index must hold exactly the mix's keys, in mix order."""
+    import pyarrow.parquet as pq
+
+    from .hidden import INDEX_FILE
+
+    path = hdir / INDEX_FILE
+    if not path.exists():
+        return
+    t = pq.read_table(path, columns=["dataset", "sample_id"]).to_pydict()
+    stored = [f"{d}/{s}" for d, s in zip(t["dataset"], t["sample_id"])]
+    want = [str(s.key) for s in mix.samples]
+    if stored != want:
+        first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))
+        raise ExportError(f"{path}: the hidden-state index ({len(stored)} samples) differs from the mix "
+                          f"({len(want)}) at position {first}: finish 04 (or run it again) before exporting")
 
 
 # ---------------------------------------------------------------- conversations
@@ -164,7 +184,7 @@ def conversation(rec: dict[str, Any]) -> dict[str, Any]:
     if rec.get("tool_calls"):
         reply["tool_calls"] = rec["tool_calls"]
     turns.append(reply)
-    out: dict[str, Any] = {"id": f"{rec['dataset']}:{rec['sample_id']}", "conversations": turns}
+    out: dict[str, Any] = {"id": f"{rec['dataset']}/{rec['sample_id']}", "conversations": turns}
     if rec.get("tools"):
         out["tools"] = rec["tools"]
     return out
@@ -180,7 +200,7 @@ def output_token_counts(samples: Iterable[Sample], target_vocab_size: int) -> np
         ids = np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)]
         if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
             bad = int(ids[(ids < 0) | (ids >= target_vocab_size)][0])
-            raise ExportError(f"sample {s.id}: token id {bad} outside the target vocabulary "
+            raise ExportError(f"sample {s.key}: token id {bad} outside the target vocabulary "
                               f"(size {target_vocab_size})")
         counts += np.bincount(ids, minlength=target_vocab_size)
     return counts
@@ -254,7 +274,7 @@ def _write_parquet(path: Path, samples: list[Sample]) -> None:
     import pyarrow.parquet as pq
 
     table = pa.table({
-        "id": pa.array([s.id for s in samples], pa.string()),
+        "id": pa.array([str(s.key) for s in samples], pa.string()),
         "dataset": pa.array([s.dataset for s in samples], pa.string()),
         "sample_id": pa.array([str(s.sample_id) for s in samples], pa.string()),
         "source": pa.array([s.source for s in samples], pa.string()),
@@ -266,17 +286,17 @@ def _write_parquet(path: Path, samples: list[Sample]) -> None:
     pq.write_table(table, path)
 
 
-def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_size: int,
-           target_vocab_size: int, include_failed: bool = False,
-           selection: Selection | None = None) -> dict[str, Any]:
-    """Write one trainer format plus the draft vocabulary into `out`; returns the manifest."""
+def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, counts: np.ndarray,
+           vocab: DraftVocab) -> dict[str, Any]:
+    """Write one trainer format of the selection plus its draft vocabulary into `out`; returns the manifest.
+
+    `counts` and `vocab` are the selection's output-token counts and draft vocabulary,
+    computed once for every format (`run_export`).
+    """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     run_dir, out = Path(run_dir), Path(out)
-    sel = selection or select_samples(run_dir, include_failed=include_failed)
     out.mkdir(parents=True, exist_ok=True)
-    counts = output_token_counts(sel.samples, target_vocab_size)
-    vocab = build_draft_vocab(counts, draft_vocab_size)
     files: dict[str, str] = {}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     files["draft_vocab.safetensors"] = "d2t int64 [draft_vocab] (target_id = draft_id + d2t), t2d bool [target_vocab]"
@@ -306,9 +326,11 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_siz
         "format": fmt,
         "run_dir": str(run_dir),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "selection": {"verdicts_present": sel.verdicts_present, "include_failed": sel.include_failed,
-                      "rule": ("records that passed every audit check" if sel.verdicts_present and not sel.include_failed
-                               else "all records with ids (no audit filter)")},
+        "selection": {"mix": sel.mix_source, "verdicts_present": sel.verdicts_present,
+                      "include_failed": sel.include_failed,
+                      "rule": ("04's training mix: records that passed every audit check"
+                               if sel.verdicts_present and not sel.include_failed
+                               else "04's training mix, NO audit filter (no verdicts, or hidden.include_failed)")},
         "exported": len(sel.samples),
         "ids_exact": sum(s.ids_exact for s in sel.samples),
         "ids_rebuilt": sum(not s.ids_exact for s in sel.samples),
@@ -326,30 +348,23 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, *, draft_vocab_siz
 # ---------------------------------------------------------------- entry points
 
 
-def _run_settings(run_dir: Path) -> tuple[int, int, bool]:
-    """(draft_vocab_size, target_vocab_size, include_failed) for a run folder.
-
-    Export params come from the params recorded in `provenance/01_generate.json` (defaults when
-    absent); the target vocabulary size from the profile named in the records.
-    """
-    from .params import ExportParams
-    from .profiles import get_profile
+def params_of_run(run_dir: Path) -> Any:
+    """The params a run folder was made with: the latest stage's recorded params (04, else 01), pointed at this folder."""
+    from .params import RunParams
 
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
-    export_params = ExportParams()
-    prov = run_dir / "provenance" / "01_generate.json"
-    if prov.exists():
-        data = json.loads(prov.read_text(encoding="utf-8"))
-        export_params = ExportParams.model_validate((data.get("params") or {}).get("export") or {})
-    profile = None
-    for rec in latest_records(run_dir):
-        profile = rec.get("profile")
-        if profile:
-            break
-    if not profile:
-        raise ExportError(f"{run_dir}/records: no record names its profile; cannot size the target vocabulary")
-    return export_params.draft_vocab_size, get_profile(profile).vocab_size, export_params.include_failed
+    for stage in ("04_extract_hidden", "03_audit", "01_generate"):
+        prov = run_dir / "provenance" / f"{stage}.json"
+        if prov.exists():
+            data = (json.loads(prov.read_text(encoding="utf-8")).get("params") or {})
+            if data:
+                data = {**data, "output_root": str(run_dir.parent.resolve()), "run_name": run_dir.name}
+                try:
+                    return RunParams.model_validate(data)
+                except ValueError as e:
+                    raise ExportError(f"{prov}: recorded params do not validate: {str(e).splitlines()[0]}") from None
+    raise ExportError(f"{run_dir}/provenance: no recorded params (01_generate.json): cannot tell the run's settings")
 
 
 @dataclass
@@ -400,32 +415,42 @@ class ExportResult:
         return fig
 
 
-def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] = FORMATS) -> ExportResult:
-    """Export a run in each format into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
+def _counts_and_vocab(params: Any, sel: Selection) -> tuple[np.ndarray, DraftVocab]:
+    """The selection's output-token counts and its draft vocabulary: computed once per export."""
     from .profiles import get_profile
+
+    counts = output_token_counts(sel.samples, get_profile(params.profile).vocab_size)
+    return counts, build_draft_vocab(counts, params.export.draft_vocab_size)
+
+
+def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] = FORMATS) -> ExportResult:
+    """Export 04's mix in each format into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
     from .provenance import write_provenance
 
     run_dir = params.run_dir
     out = Path(out) if out else run_dir / "export"
-    target = get_profile(params.profile).vocab_size
-    sel = select_samples(run_dir, include_failed=params.export.include_failed)
-    manifests = {fmt: export(run_dir, out / fmt, fmt, draft_vocab_size=params.export.draft_vocab_size,  # type: ignore[arg-type]
-                             target_vocab_size=target, include_failed=params.export.include_failed, selection=sel)
-                 for fmt in formats}
-    counts = output_token_counts(sel.samples, target)
-    vocab = build_draft_vocab(counts, params.export.draft_vocab_size)
+    sel = select_samples(params)
+    counts, vocab = _counts_and_vocab(params, sel)
+    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab) for fmt in formats}  # type: ignore[arg-type]
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
     return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
+
+
+def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
+    """Export 04's mix of a run in one format into `out` (what `eagle3data export` does); returns the manifest."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    sel = select_samples(params)
+    counts, vocab = _counts_and_vocab(params, sel)
+    return export(params.run_dir, out, fmt, sel, counts, vocab)  # type: ignore[arg-type]
 
 
 def export_cli(run: str, *, fmt: str, out: str) -> int:
     """`python -m eagle3data export RUN --format specforge|speculators --out DIR`."""
     run_dir = Path(run)
     try:
-        draft, target, include_failed = _run_settings(run_dir)
-        m = export(run_dir, out, fmt, draft_vocab_size=draft, target_vocab_size=target,  # type: ignore[arg-type]
-                   include_failed=include_failed)
+        m = export_format(params_of_run(run_dir), out, fmt)
     except (ExportError, KeyError, ValueError) as e:
         print(f"export failed: {e}", file=sys.stderr)
         return 2

@@ -51,14 +51,14 @@ def _sampling_dict(params: RunParams) -> dict[str, Any]:
 
 def _local_record(params: RunParams, prompt: Prompt, prompt_ids: list[int], res: dict[str, Any],
                   profile: Any, tokenizer: Any) -> Record:
-    from .backends.local import texts_from_ids
+    from .spans import output_texts
 
-    reasoning, content = texts_from_ids(res["output_ids"], profile, tokenizer)
+    text = output_texts(res["output_ids"], profile, tokenizer)
     return Record(
         dataset=prompt.dataset, sample_id=prompt.sample_id, source="local", model=params.model.name,
         profile=profile.name, messages=prompt.messages, tools=prompt.tools, prompt_ids=prompt_ids,
-        output_ids=res["output_ids"], ids_exact=True, reasoning=reasoning, content=content,
-        finish_reason=res["finish_reason"],
+        output_ids=res["output_ids"], ids_exact=True, reasoning=text.reasoning, content=text.content,
+        tool_calls=text.tool_calls, finish_reason=res["finish_reason"],
         usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(res["output_ids"])),
         sampling=_sampling_dict(params), latency_s=round(res["latency_s"], 4), created_at=time.time(),
     )
@@ -372,6 +372,11 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
 
         backend: Any = SGLangBackend(params, profile, tokenizer)
         base_url, credit_poll = g.sglang.base_url, 1e9
+    elif g.backend == "vllm":
+        from .backends.vllm import VLLMBackend
+
+        backend = VLLMBackend(params, profile, tokenizer)
+        base_url, credit_poll = g.vllm.base_url, 1e9
     else:
         from .backends.openai_api import OpenAIBackend
 
@@ -386,11 +391,6 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
     run_dir = params.run_dir
     extra = {"torn_tail_bytes_repaired": plan.torn_tail_bytes, "backend": g.backend}
     engine = Engine(backend, _jobs(params, plan), base_url=base_url, settings=settings, ledger=plan.ledger,
-    elif g.backend == "vllm":
-        from .backends.vllm import VLLMBackend
-
-        backend = VLLMBackend(params, profile, tokenizer)
-        base_url, credit_poll = g.vllm.base_url, 1e9
                     journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
                     budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
                     progress=progress, prepare=_preparer(params, tokenizer, profile))

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .audit import FAIL, NA, NOT_RUN, PASS, STATUS_NAMES, AuditResult
+from .audit import AuditResult
+from .checks import FAIL, NA, NOT_RUN, PASS, STATUS_NAMES
 
 _STATUS_STYLE = {PASS: "color:#1a7f37", FAIL: "color:#fff;background:#cf222e;font-weight:bold",
                  NA: "color:#777", NOT_RUN: "color:#9a6700"}
@@ -68,7 +69,7 @@ def _token_spans(ids: np.ndarray, tokenizer: Any, specials: dict[int, str], *, s
 
 def _verdict_table(result: AuditResult, i: int) -> str:
     rows = []
-    from .audit import CHECKS
+    from .checks import CHECKS
 
     for c in result.status.columns:
         s = int(result.status.at[i, c])

@@ -107,18 +107,27 @@ def read_ledger(run_dir: str | Path) -> dict[str, Any] | None:
     return orjson.loads(p.read_bytes()) if p.exists() else None
 
 
-def ledger_frame(ledger: dict[str, Any] | dict[str, DatasetLedger]):
-    """One row per dataset (planned, done, errors, skipped, cancelled, tokens, cost) as a DataFrame."""
+def ledger_frame(ledger: dict[str, Any] | dict[str, DatasetLedger] | None):
+    """The one ledger table: per dataset planned, done, errors, skipped, cancelled, tokens, cost, and `missing`.
+
+    `missing` = planned - done - errors - skipped - cancelled - in_flight: zero when every planned
+    sample is accounted for (a run stopped by kill -9 shows its lost work here).
+    """
     import pandas as pd
 
-    datasets = ledger.get("datasets", ledger) if isinstance(ledger, dict) else ledger
     cols = ("planned", "done", "resumed", "errors", "skipped", "cancelled", "in_flight", "retries",
             "prompt_tokens", "completion_tokens", "cost_usd", "budget_tokens", "budget_reached")
+    if not ledger:
+        return pd.DataFrame(columns=[*cols, "missing"]).rename_axis("dataset")
+    datasets = ledger.get("datasets", ledger) if isinstance(ledger, dict) else ledger
     rows = []
     for name, v in datasets.items():
         d = asdict(v) if isinstance(v, DatasetLedger) else v
         rows.append({"dataset": name, **{c: d.get(c) for c in cols}})
-    return pd.DataFrame(rows).set_index("dataset")
+    df = pd.DataFrame(rows).set_index("dataset")
+    acc = df[["done", "errors", "skipped", "cancelled", "in_flight"]].fillna(0).sum(axis=1)
+    df["missing"] = (df["planned"].fillna(0) - acc).astype(int)
+    return df
 
 
 def provider_frame(ledger: dict[str, Any] | dict[str, DatasetLedger]):

@@ -1,8 +1,12 @@
 """Training mix: which samples 04_extract_hidden extracts, in which order, and why others are out.
 
-`build_mix(params)` reads the run's records (exact ids from 01, rebuilt ids for API records
-from 02's `reconstruct/<dataset>.jsonl`), keeps only records that passed 03's audit (unless
-`hidden.include_failed`), drops duplicates, applies per-dataset caps, then per-dataset weights
+This is the one selection rule: 04 extracts exactly the mix and 05 exports exactly the mix
+(same keys, same order); every sample left out has exactly one reason from `DROP_REASONS`.
+`build_mix(params)` reads the run through the one reader (`reader.read_run`: the record of a
+key is its latest line, superseded lines are dropped as such; exact ids from 01, rebuilt ids
+for API records from 02), drops real duplicates and sequences longer than the model's
+context, keeps only records that passed 03's audit (unless `hidden.include_failed`), drops
+duplicate sequences, applies per-dataset caps, then per-dataset weights
 (the largest mix whose datasets hold the asked shares of tokens or samples, no sample
 repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample: ids,
 loss mask, provenance) plus `hidden/mix_manifest.json` (counts and tokens per dataset and
@@ -21,26 +25,26 @@ import numpy as np
 import orjson
 
 from .params import RunParams
-from .records import record_key
-from .sequences import (RunFileError, Sample, journal, latest_records, read_rebuilt, read_verdicts, resolve,
-                        sample_key, split_latest)
+from .reader import RunFileError, RunView, Sample, SampleKey, read_run
 
-# Sample and sample_key live in sequences.py; hidden.py imports them from here.
-__all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "Sample", "build_mix", "hidden_dir",
-           "read_mix", "sample_key", "source_sequences", "tmp_tag", "write_mix"]
+__all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "build_mix", "hidden_dir",
+           "read_mix", "source_sequences", "tmp_tag", "write_mix"]
 
 MIX_FILE = "mix.parquet"
 MANIFEST_FILE = "mix_manifest.json"
 
-# Why a record is not in the mix (the manifest counts each).
+# Why a journal line is not in the mix (the manifest counts each; one reason per line), in
+# the order the rule applies them.
 DROP_REASONS = {
+    "superseded": "an earlier journal line of the sample, replaced by a later one (a retried error)",
     "error": "generation ended in an error or abort",
+    "duplicate_key": "the sample has two completed records (a real duplicate): which one is the model's is unknown",
     "no_ids": "no output_ids in the record and no rebuilt ids from 02_reconstruct",
     "bad_ids": "input_ids and loss_mask differ in length, or the mask trains nothing",
+    "too_long": "prompt + output longer than the model's context (model.max_context or the config's)",
     "truncated": "cut at max_new_tokens (hidden.drop_truncated)",
-    "audit_failed": "failed a 03_audit check (hidden.include_failed is off)",
     "not_audited": "no 03_audit verdict although the audit ran",
-    "duplicate_key": "(dataset, sample_id) journaled again later: only the last journaled record counts",
+    "audit_failed": "failed a 03_audit check (hidden.include_failed is off)",
     "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
     "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
     "over_weight": "beyond the dataset's share (hidden.dataset_weights), chosen by the seeded shuffle",
@@ -61,18 +65,10 @@ def hidden_dir(params: RunParams) -> Path:
     return Path(params.hidden.out_dir) if params.hidden.out_dir else params.run_dir / "hidden"
 
 
-def source_sequences(params: RunParams) -> dict[str, Sample]:
-    """Every resolvable sequence of the run's chosen datasets by key (last journaled record; errors skipped)."""
-    names = _chosen(params)
-    rebuilt = read_rebuilt(params.run_dir, names, error=MixError)
-    out: dict[str, Sample] = {}
-    for rec in latest_records(params.run_dir, names):
-        if rec.get("finish_reason") in ("error", "abort"):
-            continue
-        s = resolve(rec, rebuilt)
-        if s is not None:
-            out[s.key] = s
-    return out
+def source_sequences(params: RunParams, view: RunView | None = None) -> dict[SampleKey, Sample]:
+    """Every resolvable sequence of the run's chosen datasets by key (the records; errors left out)."""
+    view = view or read_run(params.run_dir, _chosen(params), error=MixError, verdicts=False)
+    return view.samples(_chosen(params))
 
 
 def _chosen(params: RunParams) -> list[str]:
@@ -127,45 +123,51 @@ class Mix:
         return df.groupby(["dataset", "reason"]).size().rename("records").to_frame()
 
 
-def build_mix(params: RunParams, *, write: bool = True) -> Mix:
-    """Build the training mix from the run's records, audit verdicts and rebuilt ids; write it under hidden/."""
+def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = None,
+              max_context: int | None = None) -> Mix:
+    """Build the training mix from the run's records, audit verdicts and rebuilt ids; write it under hidden/.
+
+    `max_context`: the longest sequence the model takes (`models.context_limit`); longer
+    samples are dropped as `too_long`. None: no limit applied.
+    """
     hp = params.hidden
-    run_dir = params.run_dir
-    verdicts = read_verdicts(run_dir, error=MixError)
+    names = _chosen(params)
+    view = view or read_run(params.run_dir, names, error=MixError)
+    verdicts = view.verdicts
     dropped: list[dict[str, Any]] = []
     per_dataset: dict[str, list[Sample]] = {}
     seen_ids: dict[bytes, str] = {}
     records_read = 0
 
     def drop(rec_or_s: Any, reason: str, **extra: Any) -> None:
-        ds = rec_or_s.dataset if isinstance(rec_or_s, Sample) else rec_or_s["dataset"]
-        sid = rec_or_s.sample_id if isinstance(rec_or_s, Sample) else str(rec_or_s["sample_id"])
-        dropped.append({"dataset": ds, "sample_id": sid, "reason": reason, **extra})
+        key = rec_or_s.key if isinstance(rec_or_s, Sample) else SampleKey.of(rec_or_s)
+        dropped.append({"dataset": key.dataset, "sample_id": key.sample_id, "reason": reason, **extra})
 
-    for name in _chosen(params):
-        rebuilt = read_rebuilt(run_dir, [name], error=MixError)
-        recs = journal(run_dir, name)
-        records_read += len(recs)
-        for rec in recs:
-            if rec["dataset"] != name:
-                path = run_dir / "records" / f"{name}.jsonl"
-                raise MixError(f"{path}: record {rec['sample_id']!r} has dataset {rec['dataset']!r}, not {name!r}")
-        latest, superseded = split_latest(recs)
-        for rec in superseded:
-            drop(rec, "duplicate_key")
+    for name in names:
+        lines = view.datasets[name]
+        records_read += len(lines.lines)
         cands: list[Sample] = []
-        for rec in latest:
+        for rec, is_record, dup in zip(lines.lines, lines.is_record, lines.duplicate):
+            if not is_record:
+                drop(rec, "superseded")
+                continue
             if rec.get("finish_reason") in ("error", "abort"):
                 drop(rec, "error")
                 continue
-            s = resolve(rec, rebuilt)
+            if dup:
+                drop(rec, "duplicate_key")
+                continue
+            s = view.sample(rec)
             if s is None:
                 drop(rec, "no_ids")
                 continue
             if len(s.input_ids) != len(s.loss_mask) or not any(s.loss_mask):
                 drop(rec, "bad_ids")
                 continue
-            v = verdicts.get(record_key(rec)) if verdicts is not None else None
+            if max_context and len(s.input_ids) > max_context:
+                drop(rec, "too_long", tokens=len(s.input_ids), max_context=max_context)
+                continue
+            v = verdicts.get(s.key) if verdicts is not None else None
             if hp.drop_truncated and (rec.get("finish_reason") == "length" or (v or {}).get("truncated")):
                 drop(rec, "truncated")
                 continue
@@ -185,7 +187,7 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
             if hp.dedupe and h in seen_ids:
                 drop(s, "duplicate_ids", same_as=seen_ids[h])
                 continue
-            seen_ids.setdefault(h, s.key)
+            seen_ids.setdefault(h, str(s.key))
             uniq.append(s)
         cap = hp.dataset_caps.get(name)
         if cap is not None and len(uniq) > cap:
@@ -197,7 +199,7 @@ def build_mix(params: RunParams, *, write: bool = True) -> Mix:
     kept = [s for name in per_dataset for s in per_dataset[name]]
     order = np.random.default_rng(hp.seed).permutation(len(kept))
     samples = [kept[i] for i in order]
-    manifest = _manifest(params, samples, dropped, verdicts is not None, records_read, shares)
+    manifest = _manifest(params, samples, dropped, verdicts is not None, records_read, shares, max_context)
     mix = Mix(samples, manifest, dropped=dropped)
     if write:
         mix.path = write_mix(mix, hidden_dir(params))
@@ -269,7 +271,7 @@ def _name_seed(name: str) -> int:
 
 
 def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, Any]], audited: bool,
-              records_read: int, shares: dict[str, Any] | None) -> dict[str, Any]:
+              records_read: int, shares: dict[str, Any] | None, max_context: int | None) -> dict[str, Any]:
     hp = params.hidden
     per: dict[str, dict[str, Any]] = {}
     for s in samples:
@@ -286,13 +288,14 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
     for d in dropped:
         drops.setdefault(d["dataset"], {}).setdefault(d["reason"], 0)
         drops[d["dataset"]][d["reason"]] += 1
-    keys = "\n".join(s.key for s in samples).encode()
+    keys = "\n".join(str(s.key) for s in samples).encode()
     return {
         "records_read": records_read,
         "samples": len(samples),
         "tokens": sum(len(s.input_ids) for s in samples),
         "loss_tokens": sum(int(sum(s.loss_mask)) for s in samples),
         "fingerprint": hashlib.blake2b(keys, digest_size=16).hexdigest(),
+        "audit_found": audited,
         "audit_applied": audited and not hp.include_failed,
         "audit_note": (
             "audit/verdicts.jsonl found: only records that passed every check are in"
@@ -304,7 +307,7 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
         "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "dataset_weights": hp.dataset_weights,
                      "weight_unit": hp.weight_unit, "datasets": _chosen(params),
                      "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
-                     "dedupe": hp.dedupe},
+                     "dedupe": hp.dedupe, "max_context": max_context},
         "datasets": per,
         "weights": shares,
         "dropped_counts": drops,

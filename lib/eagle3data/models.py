@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -100,20 +101,44 @@ def resolve_model_path(path: str) -> Path:
     return p
 
 
-SYNTHETIC_PREFIX = "synthetic:"
+# Tokenizer sources other than a folder: `PREFIX` -> loader(rest of the path, profile).
+# Registered by plugins (the tests' stand-in Kimi vocabulary, `synthetic:`); a plugin is a
+# Python file or module named in EAGLE3DATA_PLUGINS (comma-separated), imported on first use.
+TOKENIZER_SOURCES: dict[str, Any] = {}
+PLUGINS_ENV = "EAGLE3DATA_PLUGINS"
+
+
+def register_tokenizer(prefix: str, loader: Any) -> None:
+    """Make `PREFIX...` a tokenizer source: `loader(rest, profile)` returns the tokenizer."""
+    TOKENIZER_SOURCES[prefix] = loader
+
+
+def _load_plugins() -> None:
+    import importlib
+    import importlib.util
+
+    for item in filter(None, (x.strip() for x in os.environ.get(PLUGINS_ENV, "").split(","))):
+        if item.endswith(".py"):
+            name = "eagle3data_plugin_" + Path(item).stem
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, item)
+            if spec is None or spec.loader is None:
+                raise FileNotFoundError(f"{PLUGINS_ENV}: no plugin file {item}")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            importlib.import_module(item)
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, profile: Any = None) -> Any:
-    """Load a tokenizer from a local folder (or `embedded:NAME`); check it against the profile.
-
-    `synthetic:PROFILE` is the deterministic stand-in vocabulary of `synthetic.py` on the
-    profile's real special ids, for fixture runs of a model whose tokenizer is not here (Kimi).
-    """
-    if path.startswith(SYNTHETIC_PREFIX):
-        from .profiles import get_profile
-        from .synthetic import SyntheticTokenizer
-
-        tok = SyntheticTokenizer(get_profile(path[len(SYNTHETIC_PREFIX):]))
+    """Load a tokenizer from a local folder (or `embedded:NAME`, or a registered source); check it against the profile."""
+    prefix = path.split(":", 1)[0] + ":" if ":" in path and not path.startswith(EMBEDDED_PREFIX) else None
+    if prefix is not None and prefix not in TOKENIZER_SOURCES and not Path(path).exists():
+        _load_plugins()
+    if prefix in TOKENIZER_SOURCES:
+        tok = TOKENIZER_SOURCES[prefix](path[len(prefix):], profile)
         if profile is not None:
             profile.check_tokenizer(tok)
         return tok
@@ -157,3 +182,21 @@ def model_for(params: Any) -> Any:
     m = params.model
     return load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map,
                       trust_remote_code=m.trust_remote_code)
+
+
+def context_limit(params: Any, config: Any = None) -> int | None:
+    """The longest prompt+output the model takes: `model.max_context`, else the config's
+    `max_position_embeddings` (read without weights), else None when neither is known here."""
+    if params.model.max_context:
+        return int(params.model.max_context)
+    if config is None:
+        try:
+            from transformers import AutoConfig
+
+            _quiet_transformers()
+            config = AutoConfig.from_pretrained(str(resolve_model_path(params.model.path)),
+                                                trust_remote_code=params.model.trust_remote_code)
+        except (OSError, ValueError):
+            return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "max_position_embeddings", 0) or 0) or None

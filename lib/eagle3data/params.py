@@ -257,9 +257,6 @@ class HiddenParams(Strict):
 
 class ExportParams(Strict):
     draft_vocab_size: int = Field(32000, gt=0, description="Size of the EAGLE-3 draft vocabulary (d2t/t2d).")
-    include_failed: bool = Field(
-        False, description="Also export records that failed the audit (by default only passing records go out)."
-    )
 
 
 class RunParams(Strict):

@@ -8,7 +8,7 @@ which layers EAGLE-3 reads. Every stage reasons on these ids, never on strings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 class ProfileError(ValueError):
@@ -45,6 +45,27 @@ class ToolCallTokens:
             for t in (self.section_begin, self.call_begin, self.argument_begin, self.call_end, self.section_end)
             if t is not None
         ]
+
+
+@dataclass(frozen=True)
+class OutputSplit:
+    """The spans of one output, cut on the profile's ids: the one split every stage uses.
+
+    `reasoning`: the reasoning ids (without reasoning-open/close; None for a non-reasoning
+    profile). `content`: the answer ids an API returns as `content` (without the tool-call
+    section, stop ids, guard). `calls`: the id runs of each tool call's body (Kimi: the
+    `functions.NAME:IDX` part, the argument token, the JSON), or None when the output has no
+    well-formed native calls; a malformed tool section stays in `content`, raw. `stop`: the
+    stop ids at the end (end-of-turn, guard; empty when truncated). `reasoning_closed`: a
+    reasoning-close was found. A stop id inside the body stays in it (03's
+    `output.single_eot` fails such a record; the text keeps what the ids say).
+    """
+
+    reasoning: list[int] | None
+    content: list[int]
+    calls: list[list[int]] | None
+    stop: list[int]
+    reasoning_closed: bool
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,40 @@ class Profile:
             out.extend(self.tool_calls.tokens())
         return out
 
+    def split_output(self, output_ids: Sequence[int]) -> OutputSplit:
+        """Cut output ids into reasoning, answer and tool calls (see `OutputSplit`).
+
+        Trailing stop ids (end-of-turn, guard) are cut off the end; reasoning starts after a leading reasoning-open (Qwen3 may emit one) and ends at the
+        first reasoning-close, or runs to the end when there is none (cut inside reasoning);
+        the tool section starts at the first section-begin (Kimi) or call-begin (Qwen3).
+        """
+        body = [int(t) for t in output_ids]
+        stops, k = set(self.stop_ids), len(body)
+        while k and body[k - 1] in stops:
+            k -= 1
+        body, stop = body[:k], body[k:]
+        reasoning: list[int] | None = None
+        closed = False
+        if self.is_reasoning:
+            ro, rc = self.reasoning_open, self.reasoning_close
+            if ro is not None and body[:1] == [ro.id]:
+                body = body[1:]
+            if rc is not None and rc.id in body:
+                k = body.index(rc.id)
+                reasoning, body, closed = body[:k], body[k + 1:], True
+            else:
+                reasoning, body = body, []
+        calls: list[list[int]] | None = None
+        tc = self.tool_calls
+        if tc is not None:
+            first = (tc.section_begin or tc.call_begin).id
+            if first in body:
+                k = body.index(first)
+                calls = _cut_calls(body[k:], tc)
+                if calls is not None:
+                    body = body[:k]
+        return OutputSplit(reasoning, body, calls, stop, closed)
+
     def aux_layers(self, num_layers: int | None = None) -> "AuxLayers":
         """The EAGLE-3 layers for a model with `num_layers` decoder layers (default: the profile's)."""
         return aux_layers(num_layers if num_layers is not None else self.num_layers)
@@ -119,6 +174,34 @@ class Profile:
             raise ProfileError(
                 f"profile {self.name!r} does not match tokenizer {name!r}: " + "; ".join(problems)
             )
+
+
+def _cut_calls(body: list[int], tc: ToolCallTokens) -> list[list[int]] | None:
+    """Id runs of each call body in a tool section, or None if it is malformed.
+
+    Qwen3 (no section tokens): text between or after calls is dropped, as server tool parsers do.
+    """
+    b, e = tc.call_begin.id, tc.call_end.id
+    if tc.section_begin is not None:
+        if body[:1] != [tc.section_begin.id] or body[-1:] != [tc.section_end.id]:  # type: ignore[union-attr]
+            return None
+        body = body[1:-1]
+    calls, i = [], 0
+    while i < len(body):
+        if body[i] != b:
+            if tc.section_begin is None and body[i] != e:
+                i += 1
+                continue
+            return None
+        try:
+            k = body.index(e, i + 1)
+        except ValueError:
+            return None
+        if b in body[i + 1:k]:
+            return None
+        calls.append(body[i + 1:k])
+        i = k + 1
+    return calls or None
 
 
 @dataclass(frozen=True)

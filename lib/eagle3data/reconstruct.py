@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from .profiles import Profile, Token
+from .stats import wilson_interval
 
 # Flags a rebuilt record can carry. Informational ones describe the record; the others are
 # problems for 03_audit to judge (the rebuild never repairs the text).
@@ -394,143 +395,21 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
     return out
 
 
-# ---------------------------------------------------------------- split exact ids as an API would
-
-
-def split_like_api(output_ids: Sequence[int], profile: Profile) -> dict[str, Any]:
-    """Cut true output ids into the id runs an API returns as reasoning, content and tool calls.
-
-    End-of-turn and guard ids at the end are dropped (an API returns neither). Returns id
-    lists `reasoning` (None for non-reasoning profiles), `content`, and `calls` (raw id runs
-    of each tool call body, None when the output has no well-formed native calls).
-    """
-    ids = list(output_ids)
-    stops = set(profile.stop_ids)
-    while ids and ids[-1] in stops:
-        ids.pop()
-    reasoning: list[int] | None = None
-    if profile.is_reasoning:
-        ro, rc = profile.reasoning_open, profile.reasoning_close
-        if ro is not None and ids[:1] == [ro.id]:
-            ids = ids[1:]
-        if rc is not None and rc.id in ids:
-            k = ids.index(rc.id)
-            reasoning, ids = ids[:k], ids[k + 1 :]
-        else:
-            reasoning, ids = ids, []
-    calls: list[list[int]] | None = None
-    tc = profile.tool_calls
-    if tc is not None:
-        first = tc.section_begin.id if tc.section_begin is not None else tc.call_begin.id
-        if first in ids:
-            k = ids.index(first)
-            body, tail = ids[k:], ids[:k]
-            calls = _cut_calls(body, tc)
-            if calls is not None:
-                ids = tail
-    return {"reasoning": reasoning, "content": ids, "calls": calls}
-
-
-def _cut_calls(body: list[int], tc: Any) -> list[list[int]] | None:
-    """Id runs of each call (Kimi: id-part + args-part joined by the argument token), or None if malformed."""
-    b, e = tc.call_begin.id, tc.call_end.id
-    if tc.section_begin is not None:
-        if body[:1] != [tc.section_begin.id] or body[-1:] != [tc.section_end.id]:
-            return None
-        body = body[1:-1]
-    calls, i = [], 0
-    while i < len(body):
-        if body[i] != b:
-            if tc.section_begin is None and body[i] != e:
-                # Qwen3: text between or after calls is dropped, as server tool parsers do
-                i += 1
-                continue
-            return None
-        try:
-            k = body.index(e, i + 1)
-        except ValueError:
-            return None
-        calls.append(body[i + 1 : k])
-        i = k + 1
-    return calls or None
-
-
-def _parse_calls(call_texts: list[str], profile: Profile) -> list[dict[str, Any]] | None:
-    """OpenAI-format tool calls from decoded native call bodies, as a server's parser returns them."""
-    tc = profile.tool_calls
-    out = []
-    for i, t in enumerate(call_texts):
-        if tc is not None and tc.style == "kimi":
-            ident, sep, args = t.partition(tc.argument_begin.text)  # type: ignore[union-attr]
-            if not sep or not ident.startswith("functions.") or ":" not in ident:
-                return None
-            name = ident[len("functions."):].rsplit(":", 1)[0]
-            out.append({"id": ident, "type": "function", "function": {"name": name, "arguments": args}})
-        else:
-            try:
-                obj = orjson.loads(t.strip())
-            except orjson.JSONDecodeError:
-                return None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return None
-            args = json.dumps(obj.get("arguments", {}), ensure_ascii=False)
-            out.append({"id": f"call_{i}", "type": "function", "function": {"name": obj["name"], "arguments": args}})
-    return out
+# ---------------------------------------------------------------- exact records as an API would return them
 
 
 def turns_from_exact(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Profile) -> list[ApiTurn]:
-    """API-style turns (text only) from records with exact ids, decoded with one batched call."""
-    bt = _backend(tokenizer)
-    splits = [split_like_api(r["output_ids"], profile) for r in records]
-    runs: list[list[int]] = []
-    for s in splits:
-        runs.append(s["reasoning"] or [])
-        runs.append(s["content"])
-        runs.extend(s["calls"] or [])
-    texts = bt.decode_batch(runs, skip_special_tokens=False) if runs else []
-    turns, j = [], 0
-    for r, s in zip(records, splits):
-        reasoning, content = texts[j], texts[j + 1]
-        j += 2
-        n = len(s["calls"] or [])
-        call_texts = texts[j : j + n]
-        j += n
-        tool_calls = None
-        if n:
-            tool_calls = _parse_calls(call_texts, profile)
-            if tool_calls is None:  # malformed: a server would hand the raw text back as content
-                content = bt.decode(s["content"] + _rejoin_calls(s["calls"], profile), skip_special_tokens=False)
-            elif profile.tool_calls is not None and profile.tool_calls.style == "qwen3" and content.endswith("\n"):
-                content = content[:-1]  # the separator the native rendering puts before the first call
-        turns.append(ApiTurn(
-            reasoning=reasoning if s["reasoning"] is not None else None, content=content, tool_calls=tool_calls,
-            finish_reason=r["finish_reason"], prompt_ids=r.get("prompt_ids"),
-            billed_tokens=(r.get("usage") or {}).get("completion_tokens"),
-        ))
-    return turns
+    """API-style turns (text only) of records with exact ids: the one split (`spans.output_texts_batch`)."""
+    from .spans import output_texts_batch
 
-
-def _rejoin_calls(calls: list[list[int]], profile: Profile) -> list[int]:
-    tc = profile.tool_calls
-    assert tc is not None
-    ids: list[int] = [tc.section_begin.id] if tc.section_begin else []
-    for c in calls:
-        ids += [tc.call_begin.id] + c + [tc.call_end.id]
-    return ids + ([tc.section_end.id] if tc.section_end else [])
+    texts = output_texts_batch([r["output_ids"] for r in records], profile, tokenizer)
+    return [ApiTurn(reasoning=t.reasoning, content=t.content, tool_calls=t.tool_calls,
+                    finish_reason=r["finish_reason"], prompt_ids=r.get("prompt_ids"),
+                    billed_tokens=(r.get("usage") or {}).get("completion_tokens"))
+            for r, t in zip(records, texts)]
 
 
 # ---------------------------------------------------------------- statistics
-
-
-def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """95% Wilson score interval of a rate k/n (sound at k=0 and k=n, unlike the normal one)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (0.0 if k == 0 else max(0.0, mid - half), 1.0 if k == n else min(1.0, mid + half))
 
 
 def _token_view(tokenizer: Any, ids: Sequence[int]) -> list[list[Any]]:
@@ -736,7 +615,7 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
     from .models import tokenizer_for
     from .profiles import get_profile
     from .provenance import write_provenance
-    from .records import read_records
+    from .reader import read_run
 
     t0 = time.perf_counter()
     rp = params.reconstruct
@@ -749,9 +628,9 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
     all_lines: list[dict[str, Any]] = []
     drift: dict[str, Any] = {"datasets": {}}
     skipped: dict[str, int] = {}
+    view = read_run(run_dir, [d.name for d in params.datasets], rebuilt=False, verdicts=False)
     for d in tqdm(params.datasets, desc="reconstruct", unit="dataset", disable=not progress):
-        path = run_dir / "records" / f"{d.name}.jsonl"
-        recs = read_records(path)
+        recs = view.datasets[d.name].records()  # the record of each sample (a retried error is superseded)
         api = [r for r in recs if r.get("source") == "api" and r.get("output_ids") is None]
         exact = [r for r in recs if r.get("ids_exact") and r.get("output_ids") is not None]
         skipped[d.name] = sum(1 for r in api if r.get("finish_reason") == "error")

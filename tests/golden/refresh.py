@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import shutil
 import sys
+import os
 from pathlib import Path
 
 import papermill as pm
 
 REPO = Path(__file__).resolve().parents[2]
+# the kernels read the Kimi fixture with the tests' stand-in vocabulary (tests/synthetic.py)
+os.environ["EAGLE3DATA_PLUGINS"] = str(REPO / "tests" / "synthetic.py")
 FIXTURES = REPO / "tests" / "fixtures"
 GOLDEN = REPO / "tests" / "golden"
 # golden notebook -> (stage notebook, params file); executed in this order (each stage reads the last)

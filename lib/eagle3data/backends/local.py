@@ -1,7 +1,8 @@
 """In-process generation with a Hugging Face model: batched, greedy unless params say otherwise.
 
 Output ids are the engine's own ids, cut right after the first stop id (end-of-turn, or the
-guard where the profile has one) and never re-tokenized, so records are `ids_exact`.
+guard where the profile has one) and never re-tokenized, so records are `ids_exact`. Their
+text fields come from `spans.output_texts` (the one split of output ids).
 """
 
 from __future__ import annotations
@@ -19,26 +20,6 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int],
         if t in stops:
             return list(ids[: i + 1]), True
     return list(ids), False
-
-
-def texts_from_ids(ids: Sequence[int], profile: Profile, tokenizer: Any) -> tuple[str | None, str]:
-    """(reasoning, content) text of an output, split at the reasoning-close id.
-
-    The end-of-turn and guard ids are not part of either text (an API returns neither).
-    """
-    body = [t for t in ids if t not in set(profile.stop_ids)]
-    if not profile.is_reasoning:
-        return None, tokenizer.decode(body, skip_special_tokens=False)
-    close = profile.reasoning_close.id
-    if close in body:
-        k = body.index(close)
-        reasoning, content = body[:k], body[k + 1 :]
-    else:
-        reasoning, content = body, []
-    if profile.reasoning_open is not None and reasoning[:1] == [profile.reasoning_open.id]:
-        reasoning = reasoning[1:]
-    return (tokenizer.decode(reasoning, skip_special_tokens=False),
-            tokenizer.decode(content, skip_special_tokens=False))
 
 
 class LocalBackend:

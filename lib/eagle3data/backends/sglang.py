@@ -17,7 +17,7 @@ import orjson
 
 from ..profiles import Profile
 from .engine import GenerateError, Job, ResponseError, record_dict
-from .local import texts_from_ids
+from ..spans import output_texts
 
 
 def _norm(name: str | None) -> str | None:
@@ -121,10 +121,11 @@ class SGLangBackend:
         bad = [t for t in out if t < 0 or t >= vocab]
         if bad:
             raise ResponseError(f"output id {bad[0]} outside the vocabulary (size {vocab})")
-        reasoning, content = texts_from_ids(out, self.profile, self.tokenizer)
+        text = output_texts(out, self.profile, self.tokenizer)
         return record_dict(
             job, source=self.source, model=self.params.model.name, profile=self.profile.name,
-            sampling=self.sampling, output_ids=out, ids_exact=True, reasoning=reasoning, content=content,
+            sampling=self.sampling, output_ids=out, ids_exact=True, reasoning=text.reasoning, content=text.content,
+            tool_calls=text.tool_calls,
             finish_reason=kind, native_finish_reason=native, generation_id=meta.get("id"),
             usage={"prompt_tokens": meta.get("prompt_tokens", len(job.prompt_ids)),
                    "completion_tokens": meta.get("completion_tokens", len(out)),

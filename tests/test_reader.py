@@ -1,5 +1,5 @@
-"""One reading of a run's training sequences for 04's mix and 05's exports: last journaled record
-per key, exact ids before 02's rebuilt ids, malformed files named by file:line and field."""
+"""The one reader of a run: one key, the record of a key by the supersede rule, exact ids before
+02's rebuilt ids, malformed files named by file:line and field."""
 
 from __future__ import annotations
 
@@ -10,17 +10,10 @@ import pytest
 from eagle3data.export import ExportError, select_samples
 from eagle3data.mix import MixError, build_mix
 from eagle3data.params import load_params
+from eagle3data.reader import (RunFileError, SampleKey, read_jsonl, read_rebuilt, read_run, read_verdicts, resolve,
+                               supersede_rule)
 from runfiles import make_record as _rec
 from runfiles import write_jsonl as _write
-from eagle3data.sequences import (
-    RunFileError,
-    latest_records,
-    read_jsonl,
-    read_rebuilt,
-    read_verdicts,
-    resolve,
-    split_latest,
-)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,31 +40,39 @@ def params(tmp_path):
     return p
 
 
-def test_latest_records_keep_the_last_journaled_per_key(params):
-    recs = latest_records(params.run_dir)
-    by = {(r["dataset"], r["sample_id"]): r for r in recs}
-    assert len(recs) == len(by) == 5
-    assert by[("b1_glaive", 1)]["output_ids"] == [10, 11, 2]  # the retry replaced the error
-    assert by[("b1_glaive", 2)]["output_ids"] == [13, 14, 2]
-    assert by[("b1_glaive", 3)]["finish_reason"] == "error"
-    # order: each key where it was first journaled, datasets in file order
-    assert [(r["dataset"], r["sample_id"]) for r in recs] == [
-        ("b1_glaive", 1), ("b1_glaive", 2), ("b1_glaive", 3), ("b1_glaive", 4), ("b5_openthoughts", 1)]
-    assert [r["dataset"] for r in latest_records(params.run_dir, ["b5_openthoughts"])] == ["b5_openthoughts"]
-    assert latest_records(params.run_dir, ["absent"]) == []
+def test_the_record_of_a_key_follows_the_supersede_rule(params):
+    view = read_run(params.run_dir)
+    by = view.by_key()
+    assert len(by) == 5
+    assert by[SampleKey("b1_glaive", "1")]["output_ids"] == [10, 11, 2]  # the retry replaced the error
+    assert by[SampleKey("b1_glaive", "2")]["output_ids"] == [13, 14, 2]  # latest of two completed lines
+    assert by[SampleKey("b1_glaive", "3")]["output_ids"] == [20, 2]  # an error after a response never replaces it
+    assert view.duplicates() == {SampleKey("b1_glaive", "2")}  # two completed lines: a real duplicate
+    superseded = view.datasets["b1_glaive"].superseded()
+    assert [(r["sample_id"], r["finish_reason"]) for r in superseded] == [(1, "error"), (2, "stop"), (3, "error")]
+    assert [r["dataset"] for r in read_run(params.run_dir, ["b5_openthoughts"]).records()] == ["b5_openthoughts"]
+    assert read_run(params.run_dir, ["absent"]).records() == []
 
 
-def test_split_latest_returns_what_was_replaced():
-    a1, b, a2 = _rec("d", 1, output=(1,)), _rec("d", 2), _rec("d", "1", output=(2,))
-    latest, superseded = split_latest([a1, b, a2])
-    assert latest == [a2, b] and superseded == [a1]  # sample_id 1 and "1" are one key
+def test_supersede_rule_one_key_per_sample_id_text():
+    keys = ["1", "2", "1", "3", "3", "4", "4"]
+    frs = ["error", "stop", "stop", "length", "stop", "abort", "error"]
+    is_record, dup = supersede_rule(keys, frs)
+    assert is_record == [False, True, True, False, True, False, True]
+    assert dup == [False, False, False, False, True, False, False]
+
+
+def test_sample_key_is_one_spelling():
+    k = SampleKey.of({"dataset": "d", "sample_id": 7})
+    assert k == SampleKey("d", "7") == SampleKey.of({"dataset": "d", "sample_id": "7"})
+    assert str(k) == "d/7" and SampleKey.parse("d/7") == k
 
 
 def test_resolve_exact_then_rebuilt_then_none(params):
     rebuilt = read_rebuilt(params.run_dir)
     s = resolve(_rec("b1_glaive", 9, prompt=(1, 2), output=(3, 2)), rebuilt)
-    assert (s.input_ids, s.loss_mask, s.ids_exact, s.sample_id, s.key, s.id) == \
-        ([1, 2, 3, 2], [0, 0, 1, 1], True, "9", "b1_glaive/9", "b1_glaive:9")
+    assert (s.input_ids, s.loss_mask, s.ids_exact, s.sample_id, s.key, str(s.key)) == \
+        ([1, 2, 3, 2], [0, 0, 1, 1], True, "9", SampleKey("b1_glaive", "9"), "b1_glaive/9")
     assert s.record is None and resolve(_rec("b1_glaive", 9), rebuilt, keep_record=True).record is not None
     api = resolve(_rec("b1_glaive", 4, output=None, source="api"), rebuilt)
     assert (api.input_ids, api.loss_mask, api.ids_exact, api.source) == ([1, 2, 3, 40, 2], [0, 0, 0, 1, 1], False, "api")
@@ -80,24 +81,23 @@ def test_resolve_exact_then_rebuilt_then_none(params):
     assert resolve(_rec("b1_glaive", 4, prompt=(1,), output=(2,)), rebuilt).input_ids == [1, 2]
 
 
-def test_mix_and_export_take_the_same_sequences(params):
-    """The inconsistency this module removed: mix took the first usable line, export the last."""
+def test_export_takes_exactly_the_mix(params):
     mix = build_mix(params, write=False)
-    sel = select_samples(params.run_dir)
-    as_mix = {s.key: (s.input_ids, s.loss_mask, s.ids_exact) for s in mix.samples}
-    as_export = {s.key: (s.input_ids, s.loss_mask, s.ids_exact) for s in sel.samples}
-    assert as_mix == as_export
-    assert as_mix["b1_glaive/2"][0] == [1, 2, 3, 13, 14, 2]
-    assert "b1_glaive/3" not in as_mix  # its last journaled record is an error
-    assert {(d["sample_id"], d["reason"]) for d in mix.dropped} == {("1", "duplicate_key"), ("2", "duplicate_key"),
-                                                                    ("3", "duplicate_key"), ("3", "error")}
-    assert sel.skipped == [{"dataset": "b1_glaive", "sample_id": 3, "reason": "error"}]
+    sel = select_samples(params)
+    assert [(s.key, s.input_ids, s.loss_mask, s.ids_exact) for s in sel.samples] == \
+        [(s.key, s.input_ids, s.loss_mask, s.ids_exact) for s in mix.samples]
+    as_mix = {str(s.key): s.input_ids for s in mix.samples}
+    assert as_mix["b1_glaive/1"] == [1, 2, 3, 10, 11, 2] and as_mix["b1_glaive/3"] == [1, 2, 3, 20, 2]
+    assert "b1_glaive/2" not in as_mix  # a real duplicate
+    assert sorted((d["sample_id"], d["reason"]) for d in mix.dropped) == [
+        ("1", "superseded"), ("2", "duplicate_key"), ("2", "superseded"), ("3", "superseded")]
+    assert sel.skipped == mix.dropped
 
 
 def test_read_verdicts_by_key_or_none(tmp_path):
     assert read_verdicts(tmp_path) is None
     _write(tmp_path / "audit" / "verdicts.jsonl", [{"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}])
-    assert read_verdicts(tmp_path) == {("d", "7"): {"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}}
+    assert read_verdicts(tmp_path) == {SampleKey("d", "7"): {"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}}
     _write(tmp_path / "audit" / "verdicts.jsonl", [{"dataset": "d", "failed": []}])
     with pytest.raises(RunFileError, match=r"verdicts\.jsonl:1: missing field\(s\) sample_id") as e:
         read_verdicts(tmp_path)
@@ -113,9 +113,9 @@ def test_read_rebuilt_rejects_malformed_lines(tmp_path):
     with pytest.raises(RunFileError, match="must be lists"):
         read_rebuilt(tmp_path, ["d"])
     assert read_rebuilt(tmp_path, ["other"]) == {}
-    # each consumer gets its own error class, worded as before
+    # each consumer gets its own error class, one wording
     _write(path, [{"dataset": "d", "sample_id": 1}])
-    with pytest.raises(MixError, match=r"d\.jsonl:1: missing field `input_ids`"):
+    with pytest.raises(MixError, match=r"d\.jsonl:1: missing field\(s\) input_ids, loss_mask"):
         read_rebuilt(tmp_path, error=MixError)
     with pytest.raises(ExportError, match=r"d\.jsonl:1: missing field\(s\) input_ids, loss_mask"):
         read_rebuilt(tmp_path, error=ExportError)
@@ -126,9 +126,9 @@ def test_read_jsonl_names_file_and_line(tmp_path):
     path.write_bytes(b'{"a": 1}\n\n{"a": 2}')  # blank line skipped; complete last line without newline is kept
     assert list(read_jsonl(path)) == [(1, {"a": 1}), (3, {"a": 2})]
     path.write_bytes(b'{"a": 1}\n{"a": ')
-    with pytest.raises(ValueError, match=r"x\.jsonl:2: not JSON .*torn last line"):
+    with pytest.raises(ValueError, match=r"x\.jsonl:2: not JSON .*the line is cut off"):
         list(read_jsonl(path))
     path.write_bytes(b'nope\n{"a": 1}\n')
     with pytest.raises(RunFileError, match=r"x\.jsonl:1: not JSON") as e:
         list(read_jsonl(path))
-    assert "torn" not in str(e.value)
+    assert "cut off" not in str(e.value)

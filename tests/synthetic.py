@@ -8,6 +8,10 @@ split in two ("merge across a seam") decodes to the same text but re-encodes dif
 It renders a Kimi-style chat template (tool declarations in a leading system turn,
 generation prompt ending in `<think>`).
 
+Test-only code: it lives with the tests and registers the tokenizer source `synthetic:PROFILE`
+with `eagle3data.models.register_tokenizer` when imported (the tests' conftest imports it and
+names this file in EAGLE3DATA_PLUGINS, so notebook kernels started by the tests load it too).
+
 `synthetic_records` builds valid reasoning records (200-8,000 output tokens by default,
 some with a tool-call section); `synthetic_id_table` builds the flat arrays directly for
 throughput measurements.
@@ -22,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .profiles import KIMI_K25, Profile
+from eagle3data.profiles import KIMI_K25, Profile
 
 KIMI_ROLE_TOKENS = {
     163584: "[BOS]", 163587: "<|im_user|>", 163588: "<|im_assistant|>", 163594: "<|im_system|>",
@@ -203,7 +207,7 @@ def synthetic_id_table(n: int, *, seed: int = 0, min_output: int = 200, max_outp
     """An IdTable of n valid kimi-profile records built with numpy only (for throughput runs)."""
     import pandas as pd
 
-    from .audit import IdTable
+    from eagle3data.idtable import IdTable
 
     tok = SyntheticTokenizer(profile)
     rng = np.random.default_rng(seed)
@@ -230,3 +234,20 @@ def synthetic_id_table(n: int, *, seed: int = 0, min_output: int = 200, max_outp
     meta = pd.DataFrame({"dataset": "synthetic", "sample_id": np.arange(n), "source": "sglang", "provider": None,
                          "finish_reason": "stop", "ids_exact": True, "line": np.arange(1, n + 1), "file": "memory"})
     return IdTable(meta, prompt, poff, np.ones(n, bool), ids, off, np.ones(n, bool))
+
+
+def _load(spec: str, profile: Any = None) -> SyntheticTokenizer:
+    """`synthetic:PROFILE` -> the stand-in vocabulary on that profile's ids."""
+    from eagle3data.profiles import get_profile
+
+    return SyntheticTokenizer(get_profile(spec))
+
+
+def register() -> None:
+    """Make `synthetic:PROFILE` a tokenizer source of `eagle3data.models.load_tokenizer`."""
+    from eagle3data.models import register_tokenizer
+
+    register_tokenizer("synthetic:", _load)
+
+
+register()
