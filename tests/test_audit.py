@@ -110,13 +110,20 @@ def test_api_records_use_rebuilt_ids_from_reconstruct_when_present(kimi_records,
     assert all(f == [] for f in res.failed_lists())
 
 
-def test_cli_writes_verdicts_and_summary(kimi_records, tmp_path):
+def test_cli_writes_verdicts_and_summary(kimi_records, tmp_path, capsys):
     p = write_jsonl(tmp_path / "records" / "synthetic.jsonl", kimi_records)
     recs = list(kimi_records)
     bad = dict(recs[0], sample_id=100, output_ids=recs[0]["output_ids"][:-1] + [KIMI_K25.reasoning_open.id])
     write_jsonl(p, recs + [bad])
+    with open(p, "ab") as f:
+        f.write(b'{"dataset": "synthetic", "sample_id": 101, "output_')  # a write cut off
     out = tmp_path / "audit"
-    assert cli_main(["audit", str(p), "--profile", "kimi-k2.5", "--out", str(out)]) == 0
+    # a CI gate: a failed record makes the exit status 1; the profile comes from the records
+    assert cli_main(["audit", str(p), "--out", str(out)]) == 1
+    said = capsys.readouterr().out
+    assert "profile kimi-k2.5" in said and "1 failed" in said and "torn tail: " in said
+    assert "tokenizer checks: NOT RUN: no recorded params" in said
+    assert cli_main(["audit", str(p), "--out", str(out), "--allow-failed"]) == 0
     lines = [orjson.loads(x) for x in (out / "verdicts.jsonl").read_bytes().splitlines()]
     assert len(lines) == len(recs) + 1
     assert set(lines[0]) == {"dataset", "sample_id", "failed", "truncated"}
@@ -129,12 +136,18 @@ def test_cli_writes_verdicts_and_summary(kimi_records, tmp_path):
 def test_cli_with_tokenizer_runs_text_checks(ci_run, tmp_path, capsys):
     p = ci_run.run_dir / "records" / "b1_glaive.jsonl"
     rc = cli_main(["audit", str(p), "--profile", "smollm2", "--out", str(tmp_path / "a"),
-                   "--tokenizer", "embedded:smollm2"])
+                   "--tokenizer", "embedded:smollm2", "--allow-failed"])
     assert rc == 0
     summary = orjson.loads((tmp_path / "a" / "summary.json").read_bytes())
     assert summary["checks"]["prompt.retemplate"]["applicable"] == 2
     assert summary["checks"]["prompt.retemplate"]["failed"] == 0
     assert summary["checks"]["output.single_reasoning_close"]["verdict"] == "n/a"
+    # without --tokenizer: the run's own tokenizer, from its recorded params (the same checks run)
+    capsys.readouterr()
+    cli_main(["audit", str(p), "--out", str(tmp_path / "b"), "--allow-failed"])
+    assert "tokenizer checks: run with the run's tokenizer (embedded:smollm2)" in capsys.readouterr().out
+    again = orjson.loads((tmp_path / "b" / "summary.json").read_bytes())
+    assert again["checks"] == summary["checks"]
 
 
 def test_cli_unreadable_input_is_a_clear_error(tmp_path, capsys):

@@ -324,46 +324,78 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
     return result
 
 
-def audit_cli(records: str, *, profile: str, out: str, tokenizer: str | None = None) -> int:
-    """`python -m eagle3data audit RECORDS --profile NAME --out DIR [--tokenizer PATH]`."""
+def _cli_tokenizer(tokenizer: str | None, run_dir: Path, profile: Profile) -> tuple[Any, str]:
+    """The tokenizer for the CLI's text checks: `--tokenizer`, else the run's own (its recorded params); and why not."""
+    from .models import load_tokenizer, tokenizer_for
+    from .provenance import RunParamsError, params_of_run
+
+    if tokenizer:
+        return load_tokenizer(tokenizer, trust_remote_code=True, profile=profile), f"tokenizer {tokenizer}"
+    try:
+        params = params_of_run(run_dir)
+    except RunParamsError as e:
+        return None, f"no recorded params of the run ({e}); pass --tokenizer PATH"
+    try:
+        return tokenizer_for(params), f"the run's tokenizer ({params.model.tokenizer_path or params.model.path})"
+    except (OSError, ValueError) as e:
+        return None, f"the run's tokenizer cannot be loaded here ({type(e).__name__}: {str(e).splitlines()[0]}); " \
+                     "pass --tokenizer PATH"
+
+
+def audit_cli(records: str, *, profile: str | None, out: str, tokenizer: str | None = None,
+              allow_failed: bool = False) -> int:
+    """`python -m eagle3data audit RECORDS [--profile NAME] --out DIR [--tokenizer PATH] [--allow-failed]`.
+
+    The profile comes from the records when not given; the tokenizer checks run with `--tokenizer`
+    or the run's own tokenizer (from its recorded params), and the output says which or why not.
+    Exit status: 0 when no record failed, 1 when some did (a CI gate; `--allow-failed` exits 0),
+    2 when the input cannot be read.
+    """
     import sys
 
-    try:
-        prof = get_profile(profile)
-    except KeyError as e:
-        print(f"audit: {e.args[0]}", file=sys.stderr)
-        return 2
     path = Path(records)
     paths = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    tok = None
+    run_dir = path.parent if path.is_dir() else path.parent.parent
     try:
         if not paths:
             raise AuditInputError(f"{path}: no *.jsonl journals in this folder")
-        if tokenizer:
-            from .models import load_tokenizer
-
-            tok = load_tokenizer(tokenizer, trust_remote_code=True, profile=prof)
-        tables = [read_journal(p, source_fields=tok is not None) for p in paths]
+        tables = [read_journal(p, source_fields=True) for p in paths]
         table = concat_tables(tables)
         if table.bad_lines:
             raise AuditInputError("unreadable lines:\n  " + "\n  ".join(table.bad_lines[:20]))
         if len(table) == 0:
             raise AuditInputError(f"{path}: no records")
-        run_dir = path.parent if path.is_dir() else path.parent.parent
+        named = sorted({str(p) for p in table.meta["profile"].dropna().unique()})
+        if profile is None:
+            if len(named) != 1:
+                raise AuditInputError(f"{path}: the records name {'no profile' if not named else 'profiles ' + ', '.join(named)}: "
+                                      "pass --profile NAME")
+            profile = named[0]
+        prof = get_profile(profile)
         table = merge_reconstruct(table, run_dir)
+        tok, why = _cli_tokenizer(tokenizer, run_dir, prof)
+    except KeyError as e:
+        print(f"audit: {e.args[0]}", file=sys.stderr)
+        return 2
     except (AuditInputError, OSError) as e:
         print(f"audit: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a profile/tokenizer mismatch and the like
-        print(f"audit: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"audit: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
         return 2
     result = audit_table(table, prof, tokenizer=tok)
     vp, sp = result.write(out)
     s = result.summary()
-    print(f"audited {s['records']} records ({s['output_tokens']} output tokens) in {result.seconds:.2f} s: "
-          f"{s['records_failed']} failed, {s['records_truncated']} truncated; tokenizer checks {s['tokenizer_checks']}")
+    print(f"audited {s['records']} records ({s['output_tokens']} output tokens, profile {prof.name}) in "
+          f"{result.seconds:.2f} s: {s['records_failed']} failed, {s['records_truncated']} truncated")
+    print(f"tokenizer checks: {'run with ' + why if tok is not None else 'NOT RUN: ' + why}")
+    if s["superseded_lines"]:
+        print(f"superseded: {s['superseded_lines']} earlier journal line(s) replaced by a later line of the same "
+              "sample (a retried error): not audited")
+    if table.torn_tail_bytes:
+        print(f"torn tail: {table.torn_tail_bytes} bytes after the last complete line (a write cut off): ignored")
     for name, c in s["checks"].items():
         if c["failed"]:
             print(f"  {name}: {c['failed']}/{c['applicable']} failed")
     print(f"wrote {vp} and {sp}")
-    return 0
+    return 1 if s["records_failed"] and not allow_failed else 0

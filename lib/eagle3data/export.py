@@ -349,22 +349,15 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
 
 
 def params_of_run(run_dir: Path) -> Any:
-    """The params a run folder was made with: the latest stage's recorded params (04, else 01), pointed at this folder."""
-    from .params import RunParams
+    """The params a run folder was made with (`provenance.params_of_run`); problems are ExportErrors."""
+    from .provenance import RunParamsError, params_of_run as read
 
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
-    for stage in ("04_extract_hidden", "03_audit", "01_generate"):
-        prov = run_dir / "provenance" / f"{stage}.json"
-        if prov.exists():
-            data = (json.loads(prov.read_text(encoding="utf-8")).get("params") or {})
-            if data:
-                data = {**data, "output_root": str(run_dir.parent.resolve()), "run_name": run_dir.name}
-                try:
-                    return RunParams.model_validate(data)
-                except ValueError as e:
-                    raise ExportError(f"{prov}: recorded params do not validate: {str(e).splitlines()[0]}") from None
-    raise ExportError(f"{run_dir}/provenance: no recorded params (01_generate.json): cannot tell the run's settings")
+    try:
+        return read(run_dir)
+    except RunParamsError as e:
+        raise ExportError(str(e)) from None
 
 
 @dataclass

@@ -26,7 +26,7 @@ class AuditInputError(ValueError):
     """Audit input cannot be read; the message names the file, line and field."""
 
 
-META_COLUMNS = ["dataset", "sample_id", "source", "provider", "finish_reason", "ids_exact"]
+META_COLUMNS = ["dataset", "sample_id", "source", "provider", "finish_reason", "ids_exact", "profile", "model"]
 
 
 @dataclass

@@ -66,3 +66,29 @@ def write_provenance(run_dir: str | Path, stage: str, params: Any = None) -> Pat
     p = d / f"{stage}.json"
     p.write_bytes(orjson.dumps(provenance(stage, params), option=orjson.OPT_INDENT_2))
     return p
+
+
+class RunParamsError(ValueError):
+    """A run folder's recorded params are missing or do not validate; the message names the file."""
+
+
+def params_of_run(run_dir: str | Path) -> Any:
+    """The params a run folder was made with: the latest stage's recorded params (04, 03, else 01), pointed at it."""
+    import json
+
+    from .params import RunParams
+
+    run_dir = Path(run_dir)
+    for stage in ("04_extract_hidden", "03_audit", "01_generate"):
+        prov = run_dir / "provenance" / f"{stage}.json"
+        if not prov.exists():
+            continue
+        data = json.loads(prov.read_text(encoding="utf-8")).get("params") or {}
+        if data:
+            data = {**data, "output_root": str(run_dir.parent.resolve()), "run_name": run_dir.name}
+            try:
+                return RunParams.model_validate(data)
+            except ValueError as e:
+                raise RunParamsError(f"{prov}: recorded params do not validate: {str(e).splitlines()[0]}") from None
+    raise RunParamsError(f"{run_dir / 'provenance'}: no recorded params (01_generate.json): cannot tell the run's settings")
+
