@@ -561,7 +561,8 @@ class StageFailed(UserError):
 def cmd_audit(args: argparse.Namespace) -> int:
     from .audit import audit_cli
 
-    return audit_cli(args.records, profile=args.profile, out=args.out, tokenizer=args.tokenizer)
+    return audit_cli(args.records, profile=args.profile, out=args.out, tokenizer=args.tokenizer,
+                     allow_failed=args.allow_failed)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -598,9 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")
     a.add_argument("records", help="records JSONL (or .parquet)")
-    a.add_argument("--profile", required=True, help="smollm2, qwen3, kimi-k2.5")
+    a.add_argument("--profile", help="smollm2, qwen3, kimi-k2.5 (default: the profile the records name)")
     a.add_argument("--out", required=True, help="output folder")
-    a.add_argument("--tokenizer", help="tokenizer folder (enables text checks)")
+    a.add_argument("--tokenizer", help="tokenizer folder (default: the run's own, from its recorded params)")
+    a.add_argument("--allow-failed", action="store_true", help="exit 0 even when records fail a check")
     a.set_defaults(func=cmd_audit)
 
     e = sub.add_parser("export", help="export a run for a drafter trainer")
@@ -647,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             msg = " ".join(x.strip().lstrip("- ") for x in msg.splitlines())
         else:
             msg = f"{type(e).__name__}: {msg.splitlines()[0]}"
-        print(f"error: {msg} (--debug for the traceback)", file=sys.stderr)
+        print(f"error: {msg}" + ("" if isinstance(e, ParamsError) else " (--debug for the traceback)"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
