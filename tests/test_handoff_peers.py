@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-specforge_pre = pytest.importorskip("specforge.data.preprocessing", reason="make install puts specforge==0.2.0 in .venv")
-pytest.importorskip("speculators.train.data", reason="make install puts speculators==0.9.0 in .venv")
+# installed by `make install` (Makefile); a missing peer is a failure, not a skip
+import specforge.data.preprocessing as specforge_pre
 
-from eagle3data import handoff as HO  # noqa: E402
-from eagle3data.hidden import HiddenReader, read_mix, run_extract  # noqa: E402
-from eagle3data.params import load_params  # noqa: E402
+from eagle3data import handoff as HO
+from eagle3data.hidden import HiddenReader, read_mix, run_extract
+from eagle3data.params import load_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,3 +198,26 @@ def test_a_mix_sample_missing_from_the_store_stops_the_hand_off(stores, tmp_path
     gone = [replace(mix.samples[0], sample_id="nope")]
     with pytest.raises(HO.HandoffError, match="not in 04's index"):
         HO.write_handoff(p, gone, tmp_path / "y", "speculators")
+
+
+def test_04_records_its_final_state_and_refuses_a_store_of_another_kind(stores, ci_run, model, tmp_path, monkeypatch):
+    from eagle3data.hidden import AUX_NAMES, HiddenError
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
+    over = {"output_root": str(tmp_path), "hidden.probe_batches": 0}
+    p = load_params(REPO / "params" / "ci.yaml", {**over, "hidden.final_state": "pre_norm"})
+    res = run_extract(p, progress=False, model=model)
+    rd = HiddenReader(res.hidden_dir)
+    assert rd.states == AUX_NAMES + ("pre_norm",) and rd.info["final_state"] == "pre_norm"
+    both = HiddenReader(stores["speculators"][1].hidden_dir)
+    for k in rd.keys():
+        a, b = rd.sample(k)["hidden_states"], both.sample(k)["hidden_states"]
+        assert a.shape[1] == 4 and b.shape[1] == 5
+        # other batch composition: equal to within one bf16 ulp (tests/test_hidden.py explains)
+        torch.testing.assert_close(a.float(), b[:, :4].float(), rtol=2**-7, atol=1e-2)
+    with pytest.raises(HO.HandoffError, match="needs the post_norm final state"):
+        HO.write_handoff(p, read_mix(res.hidden_dir).samples, tmp_path / "sf", "specforge")
+    with pytest.raises(HiddenError, match="stored as layout 'shards' with states"):
+        run_extract(load_params(REPO / "params" / "ci.yaml", over), progress=False, model=model)

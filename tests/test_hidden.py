@@ -56,11 +56,22 @@ def single(ci_run, model, tmp_path_factory):
 
 
 def _reference(model, ids: list[int]) -> torch.Tensor:
-    """The four states of one sequence from a plain full forward with output_hidden_states=True."""
-    with torch.inference_mode():
-        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    """The five states of one sequence (aux x 3, pre-norm, post-norm) from a plain full forward.
+
+    HF `hidden_states` give the aux layers and the normed final state ([30]); the pre-norm
+    output of the last layer is not among them, so a hook on that layer takes it.
+    """
+    got = {}
+    h = model.model.layers[29].register_forward_hook(lambda m, i, o: got.setdefault("pre", o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.inference_mode():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    finally:
+        h.remove()
     assert len(hs) == 31  # embeddings + 30 layers: HF index i = output of layer i-1; [30] is normed
-    return torch.stack([hs[i][0] for i in (2, 15, 27, 30)], dim=1)
+    with torch.inference_mode():
+        assert torch.equal(model.model.norm(got["pre"]), hs[30])  # post-norm = norm(pre-norm), in float32
+    return torch.stack([hs[i][0] for i in (2, 15, 27)] + [got["pre"][0], hs[30][0]], dim=1)
 
 
 def test_layers_follow_the_profile_rule_on_the_real_model(ci_run, model):
@@ -76,7 +87,7 @@ def test_stored_states_match_a_plain_full_forward(single, model):
     exact = total = 0
     for smp in HiddenReader(res.hidden_dir):
         got = smp["hidden_states"]
-        assert got.dtype == torch.bfloat16 and got.shape == (len(smp["input_ids"]), 4, 576)
+        assert got.dtype == torch.bfloat16 and got.shape == (len(smp["input_ids"]), 5, 576)
         ref = _reference(model, smp["input_ids"].tolist())
         g = got.float()
         assert bool(((g - ref).abs() <= 2**-7 * ref.abs() + 1e-2).all()), smp["sample_id"]
@@ -119,9 +130,10 @@ def test_index_reads_back_every_sample_bit_exactly(single):
         assert one["input_ids"].tolist() == sources[key].input_ids
         assert one["loss_mask"].tolist() == sources[key].loss_mask
         assert int(row["loss_tokens"]) == sum(sources[key].loss_mask)
-    # nothing but data on disk: 4 x hidden x 2 bytes + int32 id + uint8 mask per token, no padding
+    # nothing but data on disk: 5 states (final_state both) x hidden x 2 bytes + int32 id + uint8 mask per token
     data = sum(sum(t.numel() * t.element_size() for t in s.values()) for s in shards.values())
-    assert data == int(rd.index["length"].sum()) * (4 * 576 * 2 + 4 + 1)
+    assert data == int(rd.index["length"].sum()) * (5 * 576 * 2 + 4 + 1)
+    assert rd.info["states"] == ["aux_low", "aux_mid", "aux_high", "pre_norm", "post_norm"]
 
 
 def test_resume_after_a_crash_keeps_finished_shards_and_redoes_the_partial_one(single, run_copy, model, monkeypatch):
@@ -181,12 +193,14 @@ def test_too_long_sequences_are_reported_and_skipped(run_copy, model, monkeypatc
     p = run_copy(**{"model.max_context": 120})
     res = run_extract(p, progress=False, model=model)
     mix = read_mix(res.hidden_dir)
-    long_keys = {s.key for s in mix.samples if len(s.input_ids) > 120}
-    assert long_keys and {f"{d['dataset']}/{d['sample_id']}" for d in res.too_long} == long_keys
-    assert set(res.too_long_table()["tokens"]) == {len(s.input_ids) for s in mix.samples if s.key in long_keys}
+    # the one selection rule drops them from the mix (reason too_long), so 04 and 05 agree on the samples
+    long = {f"{d['dataset']}/{d['sample_id']}": d["tokens"] for d in mix.dropped if d["reason"] == "too_long"}
+    assert long and all(n > 120 for n in long.values()) and all(len(s.input_ids) <= 120 for s in mix.samples)
+    assert {f"{d['dataset']}/{d['sample_id']}" for d in res.too_long} == set(long)
+    assert set(res.too_long_table()["tokens"]) == set(long.values())
     rd = HiddenReader(res.hidden_dir)
-    assert not long_keys & set(rd.keys()) and len(rd) == len(mix.samples) - len(long_keys)
-    assert res.validation.ok and res.validation.too_long == len(long_keys)
+    assert rd.keys() == [str(s.key) for s in mix.samples]
+    assert res.validation.ok and res.validation.too_long == len(long)
 
 
 def test_refuses_to_start_when_the_disk_lacks_room(run_copy, model, monkeypatch):
@@ -203,7 +217,7 @@ def test_estimate_is_tokens_times_four_states_plus_ids_and_mask(run_copy, model,
     p = run_copy(**{"hidden.probe_batches": 1})
     est = H.estimate(p, model=model)
     tokens = sum(len(s.input_ids) for s in read_mix(H.hidden_dir(p)).samples)
-    assert est.tokens == tokens and est.bytes == tokens * (4 * 576 * 2 + 5)
+    assert est.tokens == tokens and est.bytes == tokens * (5 * 576 * 2 + 5)
     assert est.tokens_per_s and est.seconds and est.fits
     assert "estimated size (GB)" in est.table().index
 

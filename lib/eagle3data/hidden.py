@@ -1,11 +1,17 @@
 """Stage 04: EAGLE-3 hidden states of the training mix, in large bf16 safetensors shards plus an index.
 
-For every token of prompt + output the drafter trains on four states of the target: the
+For every token of prompt + output the drafter trains on the states of the target: the
 outputs of three decoder layers chosen by the profile's rule (`profiles.aux_layers` on the
-model's real layer count) and the final normed state. They are captured with forward hooks
-on those layers and on the final norm during a forward of the decoder alone (no LM head, no
-copy of the other layers), batched by a token budget over sequences of similar length;
-padding is computed but never stored.
+model's real layer count) and the final state (`hidden.final_state`): `pre_norm`, the output
+of the last decoder layer (speculators applies the verifier's norm itself), `post_norm`, the
+final norm's output exactly as the model computes it (SpecForge's target head is a bare
+`lm_head`), or `both` (the default). Post-norm is norm(pre-norm) in the model's own compute
+dtype; from a stored bf16 pre-norm it can only be recomputed approximately, so a run for
+SpecForge stores it. They are captured with forward hooks on those layers, the last layer
+and the final norm during a forward of the decoder alone (no LM head, no copy of the other
+layers), batched by a token budget over sequences of similar length; padding is computed
+but never stored. Which states a store holds is recorded in every file's metadata and in
+`index.json` (`states`, `final_state`, `layout`).
 
 On disk (`<run>/hidden/` or `hidden.out_dir`):
 - `mix.parquet`, `mix_manifest.json`: the training mix (see `mix.py`).
@@ -14,8 +20,14 @@ On disk (`<run>/hidden/` or `hidden.out_dir`):
   metadata lists its samples (offset, length) so shards describe themselves. A shard is
   written to `.tmp` and renamed when complete: a crash leaves at most a `.tmp`, which the
   next run discards and redoes.
+- or, with `hidden.layout` `specforge` / `speculators`, one file per sample in that trainer's
+  own format under `samples/` (`p<position>.ckpt`: `input_ids`, `loss_mask`, `hidden_state`
+  [1, n, H] post-norm, `aux_hidden_state` [1, n, 3H]; `p<position>.safetensors`:
+  `hidden_states` [n, 4, H] = 3 aux + pre-norm, `token_ids` [n] int64, `loss_mask`), each with
+  the same `eagle3data` metadata. The 05 hand-off (`handoff.py`) hardlinks these files into
+  the trainer's folder instead of copying them.
 - `index.parquet` (one row per sample: dataset, sample_id, source, ids_exact, position in
-  the mix, shard, offset, length, loss_tokens) and `index.json` (layers, sizes, skipped).
+  the mix, shard (file), offset, length, loss_tokens) and `index.json` (layers, states, sizes, skipped).
 
 Workers: `RANK`/`WORLD_SIZE` (as `torchrun` sets them) pick a deterministic disjoint part of
 the mix (mix position modulo world size); each writes its own shards; the worker that finds
@@ -33,19 +45,34 @@ from typing import Any, Iterator
 
 import orjson
 
-from .mix import Mix, Sample, build_mix, hidden_dir, read_mix, sample_key, source_sequences, tmp_tag
+from .mix import Mix, build_mix, hidden_dir, read_mix, source_sequences, tmp_tag
+from .models import context_limit
+from .reader import Sample, SampleKey
 from .params import RunParams
 from .profiles import AuxLayers, get_profile
 
-SHARD_DIR = "shards"
-INDEX_FILE = "index.parquet"
-INFO_FILE = "index.json"
-STATE_NAMES = ("aux_low", "aux_mid", "aux_high", "final_norm")
-STAGE = "04_extract_hidden"
-
-
 class HiddenError(RuntimeError):
     """04 cannot run or cannot trust what it wrote; the message says what to do."""
+
+
+SHARD_DIR = "shards"
+SAMPLE_DIR = "samples"
+INDEX_FILE = "index.parquet"
+INFO_FILE = "index.json"
+AUX_NAMES = ("aux_low", "aux_mid", "aux_high")
+FINAL_NAMES = {"pre_norm": ("pre_norm",), "post_norm": ("post_norm",), "both": ("pre_norm", "post_norm")}
+SAMPLE_SUFFIX = {"specforge": ".ckpt", "speculators": ".safetensors"}
+
+
+def state_names(final_state: str = "both") -> tuple[str, ...]:
+    """The states stored per token, in order: the three aux layers, then the final state(s)."""
+    if final_state not in FINAL_NAMES:
+        raise HiddenError(f"unknown final_state {final_state!r}; one of {', '.join(FINAL_NAMES)}")
+    return AUX_NAMES + FINAL_NAMES[final_state]
+
+
+STATE_NAMES = state_names("both")
+STAGE = "04_extract_hidden"
 
 
 # ---------------------------------------------------------------------------- model and capture
@@ -70,23 +97,28 @@ def layer_plan(params: RunParams, config: Any) -> AuxLayers:
 
 
 class Capture:
-    """Forward hooks on the three auxiliary decoder layers and the final norm of a model.
+    """Forward hooks on the three auxiliary decoder layers and the final state(s) of a model.
 
     `run(input_ids, attention_mask)` forwards the decoder alone and returns the states
-    `[batch, seq, 4, hidden]` in the storage dtype; other layers' outputs are never kept.
-    Use as a context manager so the hooks are removed afterwards.
+    `[batch, seq, S, hidden]` in the storage dtype, in the order of `state_names(final_state)`:
+    aux low, mid, high, then the last decoder layer's output (`pre_norm`) and/or the final
+    norm's output (`post_norm`), each exactly as the model computes it; other layers' outputs
+    are never kept. Use as a context manager so the hooks are removed afterwards.
     """
 
-    def __init__(self, model: Any, layers: AuxLayers, store_dtype: Any):
+    def __init__(self, model: Any, layers: AuxLayers, store_dtype: Any, final_state: str = "both"):
         self.decoder = decoder_of(model)
         n = len(self.decoder.layers)
         if n != layers.num_layers:
             raise HiddenError(f"model has {n} decoder layers but the layer plan is for {layers.num_layers}")
         self.layers = layers
         self.dtype = store_dtype
-        self._out: list[Any] = [None] * 4
+        self.names = state_names(final_state)
+        finals = {"pre_norm": self.decoder.layers[n - 1], "post_norm": self.decoder.norm}
+        mods = [self.decoder.layers[i] for i in layers.layer_outputs] + [finals[x] for x in FINAL_NAMES[final_state]]
+        self._n = len(mods)
+        self._out: list[Any] = [None] * self._n
         self._handles: list[Any] = []
-        mods = [self.decoder.layers[i] for i in layers.layer_outputs] + [self.decoder.norm]
         for slot, mod in enumerate(mods):
             self._handles.append(mod.register_forward_hook(self._hook(slot)))
         self.input_device = self.decoder.get_input_embeddings().weight.device
@@ -101,7 +133,7 @@ class Capture:
     def run(self, input_ids: Any, attention_mask: Any = None) -> Any:
         import torch
 
-        self._out = [None] * 4
+        self._out = [None] * self._n
         with torch.inference_mode():
             self.decoder(input_ids=input_ids.to(self.input_device),
                          attention_mask=None if attention_mask is None else attention_mask.to(self.input_device),
@@ -110,7 +142,7 @@ class Capture:
             raise HiddenError("a capture hook did not fire: the model skipped a hooked module")
         dev = self._out[-1].device
         states = torch.stack([t.to(dev) for t in self._out], dim=2)
-        self._out = [None] * 4
+        self._out = [None] * self._n
         return states
 
     def close(self) -> None:
@@ -214,9 +246,27 @@ def _torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-def bytes_per_token(hidden_size: int, dtype: str = "bfloat16") -> int:
-    """Bytes one token takes on disk: 4 states x hidden x dtype size, plus int32 id and uint8 mask."""
-    return 4 * hidden_size * _torch_dtype(dtype).itemsize + 4 + 1
+# bytes of (input id, loss mask) per token in each layout: shards int32 + uint8; SpecForge's
+# .ckpt int64 + int64 (as its own capture writes them); speculators' token_ids int64 + uint8
+ID_MASK_BYTES = {"shards": 4 + 1, "specforge": 8 + 8, "speculators": 8 + 1}
+
+
+def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", states: int = 4, layout: str = "shards") -> int:
+    """Bytes one token takes on disk: states x hidden x dtype size, plus its id and mask (per layout)."""
+    return states * hidden_size * _torch_dtype(dtype).itemsize + ID_MASK_BYTES[layout]
+
+
+def handoff_bytes_per_token(fmt: str, layout: str, final_state: str, hidden_size: int, dtype: str = "bfloat16") -> int | None:
+    """Hidden-state bytes per token the 05 hand-off to trainer `fmt` writes on top of 04's store.
+
+    0 when 04 wrote `fmt`'s own per-sample files (the hand-off hardlinks them: same filesystem);
+    otherwise a full conversion (4 states per token in the trainer's format); None when the
+    store lacks the final state `fmt` needs (rerun 04 with that `final_state`).
+    """
+    need = {"specforge": "post_norm", "speculators": "pre_norm"}[fmt]
+    if need not in FINAL_NAMES[final_state]:
+        return None
+    return 0 if layout == fmt else bytes_per_token(hidden_size, dtype, 4, fmt)
 
 
 # ---------------------------------------------------------------------------- shards
@@ -226,27 +276,55 @@ def shard_dir(hdir: Path) -> Path:
     return hdir / SHARD_DIR
 
 
+def sample_dir(hdir: Path) -> Path:
+    """Per-sample files of the `specforge` / `speculators` layouts."""
+    return hdir / SAMPLE_DIR
+
+
 @dataclass
 class ShardScan:
     """Finished shards found on disk, the samples they hold, and partial shards discarded."""
 
-    shards: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    shards: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # file (relative to hidden/) -> samples
     discarded: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    kinds: dict[tuple[str, tuple[str, ...]], str] = field(default_factory=dict)  # (layout, states) -> a file
+
+    def check_kind(self, layout: str, states: tuple[str, ...], where: Path) -> None:
+        """Refuse a store written with another layout or other states than the params ask for."""
+        other = {k: f for k, f in self.kinds.items() if k != (layout, tuple(states))}
+        if other:
+            (lay, st), f = next(iter(other.items()))
+            raise HiddenError(
+                f"{where / f}: stored as layout {lay!r} with states {list(st)}, but hidden.layout={layout!r} and "
+                f"hidden.final_state ask for {list(states)}: set them as the store was written, or delete {where} "
+                "(or point hidden.out_dir elsewhere) to extract again")
 
     def done_keys(self) -> set[str]:
-        return {sample_key(e["dataset"], e["sample_id"]) for es in self.shards.values() for e in es}
+        return {SampleKey(str(e["dataset"]), str(e["sample_id"])) for es in self.shards.values() for e in es}
 
 
 def read_shard_meta(path: Path) -> dict[str, Any]:
-    """A shard's own description (samples with offset and length, layers, dtype) from its header."""
-    from safetensors import safe_open
+    """A shard's (or per-sample file's) own description (samples with offset and length, layers, states, dtype)."""
+    path = Path(path)
+    if path.suffix == ".ckpt":
+        import torch
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+        raw = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        meta = {"eagle3data": raw["eagle3data"]} if isinstance(raw, dict) and "eagle3data" in raw else {}
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
     if "eagle3data" not in meta:
         raise HiddenError(f"{path}: not an eagle3data shard (no `eagle3data` metadata)")
     return orjson.loads(meta["eagle3data"])
+
+
+def _file_kind(meta: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    # stores written before `hidden.final_state` named the post-norm state `final_norm`
+    return meta.get("layout", "shards"), tuple(meta.get("states") or ("aux_low", "aux_mid", "aux_high", "final_norm"))
 
 
 def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all: bool = False) -> ShardScan:
@@ -257,28 +335,38 @@ def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all:
     be writing right now.
     """
     scan = ShardScan()
-    d = shard_dir(hdir)
-    if not d.exists():
-        return scan
 
     def mine(p: Path) -> bool:
-        return discard_all or (discard_for_rank is not None and p.name.startswith(f"r{discard_for_rank:03d}-"))
+        if discard_all:
+            return True
+        if discard_for_rank is None:
+            return False
+        tag = f"r{discard_for_rank:03d}"
+        # shards are named r<rank>-N; a per-sample file's .tmp carries its writer's rank (p<pos>.<ext>.r<rank>.tmp)
+        return p.name.startswith(tag + "-") or p.name.endswith(f".{tag}.tmp")
 
-    for p in sorted(d.glob("*.tmp")):
-        if mine(p):
-            p.unlink(missing_ok=True)
-            scan.discarded.append(p.name)
-    for p in sorted(d.glob("*.safetensors")):
-        try:
-            meta = read_shard_meta(p)  # safetensors refuses a file shorter than its header says
-        except Exception:  # noqa: BLE001 - any unreadable shard is partial
+    for d, pattern in ((shard_dir(hdir), "*.safetensors"), (sample_dir(hdir), "p*")):
+        if not d.exists():
+            continue
+        for p in sorted(d.glob("*.tmp")):
             if mine(p):
                 p.unlink(missing_ok=True)
                 scan.discarded.append(p.name)
-            else:
-                scan.unreadable.append(p.name)
-            continue
-        scan.shards[p.name] = meta["samples"]
+        for p in sorted(d.glob(pattern)):
+            if p.suffix not in (".safetensors", ".ckpt"):
+                continue
+            try:
+                meta = read_shard_meta(p)  # safetensors / torch refuse a file shorter than its header says
+            except Exception:  # noqa: BLE001 - any unreadable file is partial
+                if mine(p):
+                    p.unlink(missing_ok=True)
+                    scan.discarded.append(p.name)
+                else:
+                    scan.unreadable.append(p.name)
+                continue
+            rel = f"{d.name}/{p.name}"
+            scan.shards[rel] = meta["samples"]
+            scan.kinds.setdefault(_file_kind(meta), rel)
     return scan
 
 
@@ -345,6 +433,115 @@ class ShardWriter:
         return name
 
 
+class SampleFileWriter:
+    """Writes each sample at once as one file in a trainer's own format (layout `specforge` / `speculators`).
+
+    `specforge`: `samples/p<position>.ckpt`, a torch file holding `input_ids` and `loss_mask`
+    (int64 [n]), `hidden_state` [1, n, H] (post-norm), `aux_hidden_state` [1, n, 3H] and, when
+    stored, `pre_norm` [1, n, H]; `speculators`: `samples/p<position>.safetensors` holding
+    `hidden_states` [n, 4, H] (3 aux + pre-norm), `token_ids` int64 [n], `loss_mask` uint8 [n]
+    and, when stored, `post_norm` [n, H]. Both carry the shard metadata (one sample, offset 0):
+    the same key `eagle3data`. Written to `.r<rank>.tmp`, fsynced, renamed.
+    """
+
+    def __init__(self, hdir: Path, rank: int, layout: str, info: dict[str, Any]):
+        self.dir = sample_dir(hdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.layout = layout
+        self.suffix = SAMPLE_SUFFIX[layout]
+        self.info = info
+        self.names: tuple[str, ...] = tuple(info["states"])
+        self.written: list[str] = []
+        self.entries: list[dict[str, Any]] = []  # always empty: nothing waits in memory
+        self.tokens = 0
+
+    def add(self, s: Sample, position: int, states: Any) -> None:
+        import torch
+
+        n = len(s.input_ids)
+        if states.shape[0] != n:
+            raise HiddenError(f"{s.key}: {states.shape[0]} states for {n} tokens")
+        entry = {"dataset": s.dataset, "sample_id": s.sample_id, "source": s.source, "ids_exact": s.ids_exact,
+                 "position": position, "offset": 0, "length": n, "loss_tokens": int(sum(s.loss_mask))}
+        meta = orjson.dumps({**self.info, "rank": self.rank, "samples": [entry], "tokens": n}).decode()
+        name = f"p{position:09d}{self.suffix}"
+        write_sample_file(self.dir / name, self.layout, s.input_ids, s.loss_mask, states, self.names, meta,
+                          tmp_suffix=f".r{self.rank:03d}.tmp")
+        self.written.append(name)
+
+    def flush(self) -> None:
+        return None
+
+
+def write_sample_file(path: Path, layout: str, input_ids: Any, loss_mask: Any, states: Any, names: tuple[str, ...],
+                      meta: str | None = None, *, tmp_suffix: str = ".tmp", keep_extra: bool = True) -> int:
+    """One sample in trainer `layout`'s own file format (see SampleFileWriter), written to a temp name,
+    fsynced and renamed; `states` [n, S, H] ordered as `names`. `keep_extra` also stores the
+    final state the trainer does not read. Returns the file's size."""
+    import torch
+
+    n = len(input_ids)
+    at = {x: i for i, x in enumerate(names)}
+    need = {"specforge": "post_norm", "speculators": "pre_norm"}[layout]
+    if need not in at:
+        raise HiddenError(f"{path}: the store holds {list(names)}, but {layout} needs the {need} state: "
+                          f"rerun 04 with hidden.final_state {need!r} or 'both'")
+    aux = states[:, : len(AUX_NAMES)]
+    tmp = path.with_name(path.name + tmp_suffix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if layout == "specforge":
+        obj: dict[str, Any] = {"input_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
+                               "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long).clone(),
+                               "hidden_state": states[:, at["post_norm"]].contiguous().clone()[None],
+                               "aux_hidden_state": aux.reshape(n, -1).contiguous().clone()[None]}
+        if keep_extra and "pre_norm" in at:
+            obj["pre_norm"] = states[:, at["pre_norm"]].contiguous().clone()[None]
+        if meta is not None:
+            obj["eagle3data"] = meta
+        torch.save(obj, str(tmp))
+    else:
+        from safetensors.torch import save_file
+
+        i = at["pre_norm"]
+        tensors = {"hidden_states": torch.cat([aux, states[:, i : i + 1]], 1).contiguous(),
+                   "token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
+                   "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8).clone()}
+        if keep_extra and "post_norm" in at:
+            tensors["post_norm"] = states[:, at["post_norm"]].contiguous().clone()
+        save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def read_sample_file(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """`hidden_states` [n, S, H] in the store's state order, `input_ids` int32, `loss_mask` uint8 of a per-sample file."""
+    import torch
+
+    path = Path(path)
+    if path.suffix == ".ckpt":
+        raw = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        n = raw["input_ids"].shape[-1]
+        parts = {"post_norm": raw["hidden_state"][0], "pre_norm": raw["pre_norm"][0] if "pre_norm" in raw else None}
+        aux = raw["aux_hidden_state"][0].reshape(n, len(AUX_NAMES), -1)
+        ids, mask = raw["input_ids"], raw["loss_mask"]
+    else:
+        from safetensors.torch import load_file
+
+        raw = load_file(str(path))
+        hs = raw["hidden_states"]
+        aux = hs[:, : len(AUX_NAMES)]
+        parts = {"pre_norm": hs[:, len(AUX_NAMES)], "post_norm": raw.get("post_norm")}
+        ids, mask = raw["token_ids"], raw["loss_mask"]
+    finals = [parts[x] for x in names[len(AUX_NAMES):]]
+    if any(t is None for t in finals):
+        raise HiddenError(f"{path}: lacks one of the states {list(names)} its store records")
+    hs = torch.cat([aux] + [t[:, None] for t in finals], dim=1)
+    return {"hidden_states": hs, "input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)}
+
+
 # ---------------------------------------------------------------------------- estimate
 
 
@@ -361,6 +558,19 @@ class Estimate:
     margin: float
     probe_tokens: int = 0
     probe_seconds: float = 0.0
+    layout: str = "shards"
+    final_state: str = "both"
+    dtype: str = "bfloat16"
+    store_tokens: int | None = None  # tokens of the whole store (done + to do), for the hand-off figures
+
+    def handoff(self) -> dict[str, int | None]:
+        """Bytes the 05 hand-off to each trainer adds on top of the store (None: the store lacks its final state)."""
+        tokens = self.tokens if self.store_tokens is None else self.store_tokens
+        out: dict[str, int | None] = {}
+        for fmt in ("specforge", "speculators"):
+            b = handoff_bytes_per_token(fmt, self.layout, self.final_state, self.hidden_size, self.dtype)
+            out[fmt] = None if b is None else b * tokens
+        return out
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -382,10 +592,19 @@ class Estimate:
         rows = {
             "samples to extract": self.samples,
             "tokens to extract": self.tokens,
-            "bytes per token (4 x hidden x 2 + id + mask)": self.bytes_per_token,
+            "layout": self.layout,
+            "states per token": ", ".join(state_names(self.final_state)),
+            "bytes per token (states x hidden x dtype + id + mask)": self.bytes_per_token,
             "estimated size (GB)": round(self.bytes / 1e9, 4),
             "free disk (GB)": round(self.free_bytes / 1e9, 1),
             "fits (with margin)": self.fits,
+        }
+        for fmt, b in self.handoff().items():
+            how = ("impossible: the store lacks its final state" if b is None
+                   else "hardlinks 04's files (same filesystem)" if b == 0 else "converts: a full second copy")
+            rows[f"05 hand-off to {fmt} (extra GB)"] = None if b is None else round(b / 1e9, 4)
+            rows[f"05 hand-off to {fmt}"] = how
+        rows |= {
             "probe tokens/s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
             "estimated time (min)": None if self.seconds is None else round(self.seconds / 60, 2),
         }
@@ -394,7 +613,9 @@ class Estimate:
     def as_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "tokens": self.tokens, "bytes": self.bytes,
                 "bytes_per_token": self.bytes_per_token, "free_bytes": self.free_bytes, "fits": self.fits,
-                "probe_tokens_per_s": self.tokens_per_s, "estimated_seconds": self.seconds}
+                "probe_tokens_per_s": self.tokens_per_s, "estimated_seconds": self.seconds,
+                "layout": self.layout, "states": list(state_names(self.final_state)),
+                "handoff_extra_bytes": self.handoff()}
 
 
 def check_disk(est: Estimate, where: Path) -> None:
@@ -456,27 +677,32 @@ class WorkPlan:
 
 def plan_work(params: RunParams, mix: Mix, config: Any, *, rank: int, world_size: int,
               discard_partial: bool = True) -> WorkPlan:
-    """Split the mix for this rank, drop too-long sequences (reported) and samples already in finished shards."""
+    """Split the mix for this rank and leave out samples already in finished shards.
+
+    Too-long sequences never reach here: the mix drops them (`too_long`, reported with the plan).
+    """
     hdir = hidden_dir(params)
-    max_ctx = params.model.max_context or int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
+    max_ctx = context_limit(params, config) or 0
     part = [(i, s) for i, s in enumerate(mix.samples) if i % world_size == rank]
-    too_long = [{"dataset": s.dataset, "sample_id": s.sample_id, "tokens": len(s.input_ids), "max_context": max_ctx}
-                for _, s in part if max_ctx and len(s.input_ids) > max_ctx]
-    long_keys = {sample_key(d["dataset"], d["sample_id"]) for d in too_long}
+    too_long = [d for d in mix.dropped if d["reason"] == "too_long"]
     scan = scan_shards(hdir, discard_for_rank=rank if discard_partial else None,
                        discard_all=discard_partial and world_size == 1)
+    scan.check_kind(params.hidden.layout, state_names(params.hidden.final_state), hdir)
     done = scan.done_keys()
-    todo = [(i, s) for i, s in part if s.key not in long_keys and s.key not in done]
+    todo = [(i, s) for i, s in part if s.key not in done]
     return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
 
 
 def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, capture: Capture | None = None) -> Estimate:
     """Bytes (tokens x 4 x hidden x dtype + ids + mask) and, with a capture, time from a short probe."""
+    hp = params.hidden
     hsize = int(text_config(config).hidden_size)
-    bpt = bytes_per_token(hsize, params.hidden.dtype)
+    bpt = bytes_per_token(hsize, hp.dtype, len(state_names(hp.final_state)), hp.layout)
     tokens = sum(len(s.input_ids) for _, s in plan.todo)
     hdir = hidden_dir(params)
-    est = Estimate(len(plan.todo), tokens, hsize, bpt, tokens * bpt, _free_bytes(hdir), params.hidden.disk_margin)
+    est = Estimate(len(plan.todo), tokens, hsize, bpt, tokens * bpt, _free_bytes(hdir), hp.disk_margin,
+                   layout=hp.layout, final_state=hp.final_state, dtype=hp.dtype,
+                   store_tokens=sum(len(s.input_ids) for _, s in plan.part))
     if capture is not None and plan.todo:
         seqs = [s.input_ids for _, s in plan.todo]
         batches = plan_batches([len(x) for x in seqs], params.hidden.batch_tokens)
@@ -490,12 +716,12 @@ def estimate(params: RunParams, *, model: Any = None) -> Estimate:
     Reads nothing but headers and deletes nothing: safe to call before `run_extract`.
     """
     rank, world = dist_env()
-    mix = build_mix(params)
     config = model.config if model is not None else load_config(params)
+    mix = build_mix(params, max_context=context_limit(params, config))
     plan = plan_work(params, mix, config, rank=rank, world_size=world, discard_partial=False)
     if model is None:
         return estimate_extract(params, plan, config)
-    with Capture(model, layer_plan(params, config), _torch_dtype(params.hidden.dtype)) as cap:
+    with Capture(model, layer_plan(params, config), _torch_dtype(params.hidden.dtype), params.hidden.final_state) as cap:
         return estimate_extract(params, plan, config, cap)
 
 
@@ -521,7 +747,8 @@ class ExtractResult:
 
         if self.index is None or not len(self.index):
             return pd.DataFrame(columns=["samples", "tokens", "loss_tokens", "bytes"])
-        bpt = bytes_per_token(self.stats["hidden_size"], self.stats["dtype"])
+        bpt = bytes_per_token(self.stats["hidden_size"], self.stats["dtype"], len(self.stats["states"]),
+                              self.stats["layout"])
         g = self.index.groupby("dataset").agg(samples=("sample_id", "size"), tokens=("length", "sum"),
                                               loss_tokens=("loss_tokens", "sum"))
         g["bytes"] = g["tokens"] * bpt
@@ -567,8 +794,8 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     hp = params.hidden
     hdir = hidden_dir(params)
     rank, world = dist_env()
-    mix = mix or build_mix(params)
     config = model.config if model is not None else load_config(params)
+    mix = mix or build_mix(params, max_context=context_limit(params, config))
     layers = layer_plan(params, config)
     plan = plan_work(params, mix, config, rank=rank, world_size=world)
     if rank == 0:
@@ -576,11 +803,12 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
 
     stats: dict[str, Any] = {
         "rank": rank, "world_size": world, "samples_in_part": len(plan.part),
-        "already_stored": len(plan.part) - len(plan.todo) - len(plan.too_long),
+        "already_stored": len(plan.part) - len(plan.todo),
         "to_extract": len(plan.todo), "too_long": len(plan.too_long),
         "partial_shards_discarded": len(plan.scan.discarded), "hidden_size": int(text_config(config).hidden_size),
         "dtype": hp.dtype, "layers_hf_indices": list(layers.hf_indices),
         "layers_outputs": list(layers.layer_outputs), "num_layers": layers.num_layers,
+        "states": list(state_names(hp.final_state)), "layout": hp.layout,
         "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
         "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
     }
@@ -590,13 +818,14 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         model = model if model is not None else load_extract_model(params)
         info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
                 "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
-                "layer_outputs": list(layers.layer_outputs), "states": list(STATE_NAMES),
-                "mix_fingerprint": mix.manifest.get("fingerprint")}
-        with Capture(model, layers, _torch_dtype(hp.dtype)) as cap:
+                "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
+                "final_state": hp.final_state, "layout": hp.layout, "mix_fingerprint": mix.manifest.get("fingerprint")}
+        with Capture(model, layers, _torch_dtype(hp.dtype), hp.final_state) as cap:
             seqs = [s.input_ids for _, s in plan.todo]
             batches = plan_batches([len(x) for x in seqs], hp.batch_tokens)
             est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, hp.probe_batches)
-            writer = ShardWriter(hdir, rank, hp.shard_bytes, info)
+            writer = (ShardWriter(hdir, rank, hp.shard_bytes, info) if hp.layout == "shards"
+                      else SampleFileWriter(hdir, rank, hp.layout, info))
             pad_id = int(getattr(text_config(config), "pad_token_id", None) or 0)
             bar = tqdm(total=sum(len(x) for x in seqs), desc=f"extract r{rank}", unit="tok", disable=not progress)
             t0 = time.perf_counter()
@@ -681,25 +910,24 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
     mix = mix or read_mix(hdir)
     config = config if config is not None else load_config(params)
     layers = layer_plan(params, config)
-    max_ctx = params.model.max_context or int(getattr(text_config(config), "max_position_embeddings", 0) or 0)
     want = {s.key: (i, s) for i, s in enumerate(mix.samples)}
-    too_long = [{"dataset": s.dataset, "sample_id": s.sample_id, "tokens": len(s.input_ids), "max_context": max_ctx}
-                for s in mix.samples if max_ctx and len(s.input_ids) > max_ctx]
+    too_long = [d for d in mix.dropped if d["reason"] == "too_long"]  # reported here too; never in the mix
     scan = scan_shards(hdir)
+    states = state_names(params.hidden.final_state)
+    scan.check_kind(params.hidden.layout, states, hdir)
     rows: dict[str, dict[str, Any]] = {}
     duplicates = stale = 0
     for shard, entries in sorted(scan.shards.items()):
         for e in entries:
-            k = sample_key(e["dataset"], e["sample_id"])
+            k = SampleKey(str(e["dataset"]), str(e["sample_id"]))
             if k not in want:
                 stale += 1
                 continue
             if k in rows:
                 duplicates += 1
                 continue
-            rows[k] = {**e, "position": want[k][0], "shard": f"{SHARD_DIR}/{shard}"}
-    long_keys = {sample_key(d["dataset"], d["sample_id"]) for d in too_long}
-    missing = [k for k in want if k not in rows and k not in long_keys]
+            rows[k] = {**e, "position": want[k][0], "shard": shard}
+    missing = [str(k) for k in want if k not in rows]
     if missing and not allow_partial:
         raise IncompleteError(f"{len(missing)} of {len(want)} mix samples are not stored yet "
                               f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
@@ -713,10 +941,11 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
     info = {
         "model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
         "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
-        "states": list(STATE_NAMES), "hidden_size": hsize, "dtype": params.hidden.dtype,
+        "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
+        "hidden_size": hsize, "dtype": params.hidden.dtype,
         "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
-        "bytes_per_token": bytes_per_token(hsize, params.hidden.dtype),
-        "shards": sorted(scan.shards), "shard_file_bytes": sum((shard_dir(hdir) / s).stat().st_size for s in scan.shards),
+        "bytes_per_token": bytes_per_token(hsize, params.hidden.dtype, len(states), params.hidden.layout),
+        "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
         "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
         "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint"),
     }
@@ -731,8 +960,9 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
 class HiddenReader:
     """Read a stored run: one sample by key or row, or stream all shard by shard.
 
-    Each sample is a dict with `hidden_states` [n, 4, hidden] (aux low, mid, high, final
-    norm), `input_ids` [n] int32, `loss_mask` [n] uint8, and its index row's fields.
+    Each sample is a dict with `hidden_states` [n, S, hidden] (aux low, mid, high, then the
+    final state(s) named in `info["states"]`), `input_ids` [n] int32, `loss_mask` [n] uint8,
+    and its index row's fields, whatever the store's layout (shards or per-sample files).
     """
 
     def __init__(self, path: str | Path):
@@ -743,21 +973,32 @@ class HiddenReader:
             raise FileNotFoundError(f"no index at {self.dir / INDEX_FILE}: run 04 (or merge_index) first")
         self.index: pd.DataFrame = pd.read_parquet(self.dir / INDEX_FILE)
         self.info: dict[str, Any] = orjson.loads((self.dir / INFO_FILE).read_bytes())
-        self._rows = {sample_key(d, s): i for i, (d, s) in enumerate(zip(self.index["dataset"], self.index["sample_id"]))}
+        self._rows = {str(SampleKey(str(d), str(s))): i
+                      for i, (d, s) in enumerate(zip(self.index["dataset"], self.index["sample_id"]))}
+        self.states: tuple[str, ...] = tuple(self.info.get("states") or ("aux_low", "aux_mid", "aux_high", "final_norm"))
+        self.layout: str = self.info.get("layout", "shards")
+
+    def path(self, which: int | str) -> Path:
+        """The file holding one sample (a shard, or the sample's own file)."""
+        i = self._rows[which] if isinstance(which, str) else int(which)
+        return self.dir / self.index.iloc[i]["shard"]
 
     def __len__(self) -> int:
         return len(self.index)
 
     def keys(self) -> list[str]:
+        """`dataset/sample_id` of each stored sample, in mix order."""
         return list(self._rows)
 
-    def sample(self, which: int | str) -> dict[str, Any]:
-        """One sample by row number (mix order) or by key `dataset/sample_id`; reads only its bytes."""
+    def sample(self, which: int | str | SampleKey) -> dict[str, Any]:
+        """One sample by row number (mix order) or by key (`SampleKey` or `dataset/sample_id`); reads only its bytes."""
         from safetensors import safe_open
 
-        i = self._rows[which] if isinstance(which, str) else int(which)
+        i = self._rows[str(which)] if isinstance(which, (str, SampleKey)) else int(which)
         row = self.index.iloc[i]
         a, n = int(row["offset"]), int(row["length"])
+        if self.layout != "shards":
+            return {**row.to_dict(), **read_sample_file(self.dir / row["shard"], self.states)}
         with safe_open(str(self.dir / row["shard"]), framework="pt") as f:
             out = {name: f.get_slice(name)[a : a + n] for name in ("hidden_states", "input_ids", "loss_mask")}
         return {**row.to_dict(), **out}
@@ -766,6 +1007,10 @@ class HiddenReader:
         """Every sample, shard by shard (each shard read once, sequentially)."""
         from safetensors.torch import load_file
 
+        if self.layout != "shards":
+            for i in range(len(self.index)):
+                yield self.sample(i)
+            return
         for shard, rows in self.index.groupby("shard", sort=True):
             t = load_file(str(self.dir / shard))
             for _, row in rows.sort_values("offset").iterrows():
@@ -805,13 +1050,13 @@ class Validation:
 
 
 def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
-    """Re-read every sample: shape [n, 4, hidden], finite, ids and mask equal to the source records, coverage."""
+    """Re-read every sample: shape [n, states, hidden], finite, ids and mask equal to the source records, coverage."""
     import torch
 
     hdir = hidden_dir(params)
     reader = HiddenReader(hdir)
     mix = mix or read_mix(hdir)
-    sources = source_sequences(params)
+    sources = source_sequences(params)  # the records, through the one reader
     hsize, dtype = reader.info["hidden_size"], _torch_dtype(reader.info["dtype"])
     problems: list[dict[str, Any]] = []
 
@@ -825,13 +1070,14 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
         n = int(smp["length"])
         tokens += n
         hs, ids, mask = smp["hidden_states"], smp["input_ids"], smp["loss_mask"]
-        if tuple(hs.shape) != (n, 4, hsize) or hs.dtype != dtype:
-            bad(smp, "shape", f"{tuple(hs.shape)} {hs.dtype}, expected {(n, 4, hsize)} {dtype}")
+        want = (n, len(reader.states), hsize)
+        if tuple(hs.shape) != want or hs.dtype != dtype:
+            bad(smp, "shape", f"{tuple(hs.shape)} {hs.dtype}, expected {want} {dtype}")
         elif not bool(torch.isfinite(hs).all()):
             bad(smp, "finite", f"{int((~torch.isfinite(hs)).sum())} NaN/Inf values")
         if len(ids) != n or len(mask) != n:
             bad(smp, "mask_length", f"{len(ids)} ids, {len(mask)} mask values for {n} states")
-        src = sources.get(sample_key(smp["dataset"], smp["sample_id"]))
+        src = sources.get(SampleKey(str(smp["dataset"]), str(smp["sample_id"])))
         if src is None:
             bad(smp, "source", "not found in the run's records / reconstruct files")
         else:
@@ -840,9 +1086,10 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
             if mask.tolist() != src.loss_mask:
                 bad(smp, "mask", "stored loss_mask differs from the source record")
     too_long = len(reader.info.get("too_long", []))
-    if seen + too_long != len(mix.samples):
+    if seen != len(mix.samples) or reader.keys() != [str(s.key) for s in mix.samples]:
         problems.append({"dataset": "*", "sample_id": "*", "check": "coverage",
-                         "detail": f"{seen} stored + {too_long} too long != {len(mix.samples)} in the mix"})
+                         "detail": f"{seen} stored samples, {len(mix.samples)} in the mix: the index must hold "
+                                   "exactly the mix's keys in mix order"})
     return Validation(seen, tokens, problems, len(mix.samples), too_long)
 
 
