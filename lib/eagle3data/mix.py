@@ -89,6 +89,7 @@ class Mix:
     manifest: dict[str, Any]
     path: Path | None = None
     dropped: list[dict[str, Any]] = field(default_factory=list)
+    view: RunView | None = field(default=None, repr=False)  # the run as read to build it (not written)
 
     def table(self):
         """Per dataset and source: samples, tokens and trained (loss) tokens that went in."""
@@ -200,7 +201,7 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
     order = np.random.default_rng(hp.seed).permutation(len(kept))
     samples = [kept[i] for i in order]
     manifest = _manifest(params, samples, dropped, verdicts is not None, records_read, shares, max_context)
-    mix = Mix(samples, manifest, dropped=dropped)
+    mix = Mix(samples, manifest, dropped=dropped, view=view)
     if write:
         mix.path = write_mix(mix, hidden_dir(params))
     return mix
