@@ -12,7 +12,8 @@ the same number in flight, journaling every response:
 - `aiohttp`: the same `run_generate` with aiohttp's connector under the engine
   (`engine.TRANSPORT` swapped; aiohttp keeps a per-host deque of idle connections);
 - `httpx_h2`: the same with httpx's own transport speaking HTTP/2 (one multiplexed TLS
-  connection; the loopback server speaks HTTP/2 through `h2`, advertising 10,000 streams);
+  connection; the loopback server speaks HTTP/2 through `h2`, advertising 1,000 concurrent
+  streams, more than public servers do (100-256));
 - `baseline`: `openai.OpenAI(...).chat.completions.create` on a ThreadPoolExecutor of the
   in-flight size (its httpx pool widened to match), one journal line per response.
 
@@ -149,7 +150,7 @@ def steady_state(journal: Path, latency: float, in_flight: int, t_call: float) -
     """Completions per second from L after the first request went out to L before the last response; the ramp."""
     import numpy as np
 
-    recs = [orjson.loads(line) for line in journal.read_bytes().splitlines()]
+    recs = [r for r in map(orjson.loads, journal.read_bytes().splitlines()) if r.get("latency_s") is not None]
     end = np.array([r["created_at"] for r in recs])
     start = end - np.array([r["latency_s"] for r in recs])
     lo, hi = start.min() + latency, end.max() - latency
@@ -279,8 +280,11 @@ def measure(client: str, scheme: str, args, n: int, cert, server_core, client_co
     cmd = [sys.executable, __file__, "--child", client, "--tag", scheme, "--base-url", base_url, "--n", str(n),
            "--in-flight", str(args.in_flight), "--latency", str(args.latency), "--work", str(args.work)]
     pre = lambda: os.sched_setaffinity(0, client_cores)  # noqa: E731
+    limit = 20 * n / args.in_flight * args.latency + 300  # a client this far off the bound has failed
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=pre)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=pre, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        return {"failed": True, "stderr_tail": f"killed after {limit:.0f} s: {(e.stderr or b'')[-1500:]!r}"}
     finally:
         server_cpu = sum(server.cpu_times()[:2]) - scpu0
         proc.kill()
