@@ -280,7 +280,7 @@ def measure(client: str, scheme: str, args, n: int, cert, server_core, client_co
     cmd = [sys.executable, __file__, "--child", client, "--tag", scheme, "--base-url", base_url, "--n", str(n),
            "--in-flight", str(args.in_flight), "--latency", str(args.latency), "--work", str(args.work)]
     pre = lambda: os.sched_setaffinity(0, client_cores)  # noqa: E731
-    limit = 20 * n / args.in_flight * args.latency + 300  # a client this far off the bound has failed
+    limit = 10 * n / args.in_flight * args.latency + 120  # a client this far off the bound has failed
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=pre, timeout=limit)
     except subprocess.TimeoutExpired as e:
