@@ -32,7 +32,8 @@ from eagle3data.ledger import ledger_frame
 from eagle3data.inspector import failing_records, inspect_record
 from eagle3data.models import tokenizer_for
 from eagle3data.params import load_params
-from eagle3data.report import HTMLBlock, params_html, show_table
+from eagle3data.report import (HTMLBlock, audit_banners, check_matrix_html, check_summary_view, params_html, shown_path,
+                               show_table, superseded_html)
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"
@@ -45,10 +46,10 @@ P = load_params(params_file, overrides)
 tok = tokenizer_for(P)
 result = run_audit(P, progress=False, tokenizer=tok)
 s = result.summary()
-HTMLBlock(f"<p>Run <b>{P.run_name}</b> ({P.run_dir}), profile <b>{P.profile}</b>: {s['records']} records, "
+HTMLBlock(f"<p>Run <b>{P.run_name}</b> ({shown_path(P.run_dir)}), profile <b>{P.profile}</b>: {s['records']} records, "
           f"{s['output_tokens']:,} output tokens audited in {s['seconds']:.2f} s; <b>{s['records_failed']}</b> "
           f"records failed a check, {s['records_truncated']} truncated (finish_reason length). "
-          f"Notes: {'; '.join(s['notes']) or 'none'}.</p>")
+          f"Notes: {'; '.join(s['notes']) or 'none'}.</p>" + audit_banners(result).html)
 
 # %% [markdown]
 # ## 1. Run parameters
@@ -74,22 +75,30 @@ plots.prompt_length_bias(result.skipped_lengths)
 # One row per check over all records. `applicable` counts records the check applies to (truncated
 # records are exempt from the end-of-turn checks; reasoning and tool-call checks are `n/a` for a
 # profile without those tokens; tokenizer checks are `not run` without a tokenizer). Where a check
-# saw zero failures, `upper95` is the rule-of-three bound 3/n on its failure rate, and
-# `records_for_0.1%` is how many records would bound it below 0.1 %.
+# saw zero failures, `upper95` is the rule-of-three bound 3/n on its failure rate (as a percentage,
+# like the verdict), and `records_for_0.1%` is how many records would bound it below 0.1 %.
 
 # %%
-show_table(result.check_summary()[["verdict", "applicable", "failed", "not_applicable", "not_run", "upper95",
-                                   "records_for_0.1%", "more_needed", "what"]], "check-table")
+show_table(check_summary_view(result), "check-table")
 
 # %% [markdown]
-# Per dataset × source × provider: records, truncated, errors and records with any failure, then
-# each check's result in that group (`FAIL k/n`, or `0/n (<bound)`).
+# Per dataset × source × provider: records, truncated, errors and records with any failure. Then
+# the check matrix, which shows only what informs: the checks that failed (or were not run)
+# somewhere, as `FAIL k/n (rate)` or `0/n` per group, and one column bounding every other check
+# of the group at once.
 
 # %%
 show_table(result.group_table(), "group-table")
 
 # %%
-show_table(result.check_matrix(), "check-matrix")
+check_matrix_html(result)
+
+# %% [markdown]
+# Journal lines superseded by a later line of the same sample (a retried error): shown for the
+# record, never counted as a failure or a duplicate. Nothing shows when there are none.
+
+# %%
+superseded_html(result)
 
 # %% [markdown]
 # ## 4. Plots
@@ -125,12 +134,14 @@ inspect_record(result, ds, sid, tok)
 
 # %%
 views = failing_records(result, tok, P.audit.failing_examples)
-HTMLBlock("".join(v.html for v in views) or "<p><b>No record failed a check.</b></p>")
+HTMLBlock("".join(v.html for v in views) or ("<p><b>No record failed a check.</b></p>" if s["records"]
+                                              else "<p><b>No records to show: the run holds none.</b></p>"))
 
-# %% [markdown]
-# ## Figures recorded for tests and the report
+# %% [markdown] tags=["hide-from-html"]
+# ## Figures recorded for tests
+# (left out of `report.html` and the notebook's HTML copy: the cell tag `hide-from-html`)
 
-# %%
+# %% tags=["hide-from-html"]
 figures = {"records": s["records"], "records_failed": s["records_failed"], "truncated": s["records_truncated"],
            "output_tokens": s["output_tokens"], "seconds": s["seconds"],
            "failed_checks": {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}}

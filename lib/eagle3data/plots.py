@@ -2,7 +2,8 @@
 
 Each function takes an `AuditResult` (or a table from it) and returns a Figure with a
 readable title, axis units and a legend, so it reads the same in JupyterLab and in the
-report (where nbconvert embeds it as a PNG).
+report (where nbconvert embeds it as a PNG). Legends sit outside the plot area (they never
+cover data, such as the pile-up at a max_new_tokens cut), and count axes have integer ticks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ def _finished(fig: Any) -> Any:
     return fig
 
 
+def _outside_legend(ax: Any, **kw: Any) -> None:
+    """The axes' legend to the right of the plot area (constrained layout makes room for it)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)
+
+
+def _integer_ticks(axis: Any) -> None:
+    """Counts are whole numbers: no 0.5 record ticks."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _colors(names: list[str]) -> dict[str, Any]:
     cmap = _plt().get_cmap("tab10")
     return {n: cmap(i % 10) for i, n in enumerate(names)}
@@ -39,7 +53,7 @@ def length_distributions(result: Any) -> Any:
     plt = _plt()
     df = result.lengths()
     parts = ["prompt"] + (["reasoning"] if result.profile.is_reasoning else []) + ["answer"]
-    fig, axes = plt.subplots(1, len(parts), figsize=(4.6 * len(parts), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(parts), figsize=(4.6 * len(parts) + 1.6, 3.6), squeeze=False, layout="constrained")
     datasets = sorted(df["dataset"].unique())
     col = _colors(datasets)
     for ax, part in zip(axes[0], parts):
@@ -56,9 +70,11 @@ def length_distributions(result: Any) -> Any:
         ax.set_title(f"{part} length")
         ax.set_xlabel("tokens")
         ax.set_ylabel("records")
-    axes[0][-1].legend(fontsize=7, loc="upper right")
+        _integer_ticks(ax.yaxis)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, fontsize=7, loc="outside right upper")
     fig.suptitle("Token lengths per dataset")
-    fig.tight_layout()
     return _finished(fig)
 
 
@@ -70,7 +86,7 @@ def special_positions(result: Any) -> Any:
     """
     plt = _plt()
     df = result.lengths()
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig, ax = plt.subplots(figsize=(9.5, 4.6), layout="constrained")
     datasets = sorted(df["dataset"].unique())
     col = _colors(datasets)
     L = df["output"].to_numpy()
@@ -95,8 +111,9 @@ def special_positions(result: Any) -> Any:
     ax.set_xlabel("output length (tokens)")
     ax.set_ylabel("position in the output (token index)")
     ax.set_title("Where the special tokens sit in each output")
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
-    fig.tight_layout()
+    _integer_ticks(ax.xaxis)
+    _integer_ticks(ax.yaxis)
+    _outside_legend(ax, fontsize=7)
     return _finished(fig)
 
 
@@ -109,23 +126,23 @@ def finish_reasons(result: Any) -> Any:
         [c for c in tab.columns if c not in ("stop", "length", "abort", "error")]
     tab = tab[order]
     colors = {"stop": "tab:green", "length": "tab:orange", "abort": "tab:purple", "error": "tab:red"}
-    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(tab) + 1.8))
+    fig, ax = plt.subplots(figsize=(8.5, 0.45 * len(tab) + 1.8), layout="constrained")
     left = np.zeros(len(tab))
     for c in tab.columns:
         ax.barh(tab.index, tab[c], left=left, color=colors.get(c, "0.5"), label=c)
         left += tab[c].to_numpy()
     ax.set_xlabel("records")
+    _integer_ticks(ax.xaxis)
     ax.set_title("Finish reasons per dataset (length = truncated, not broken)")
-    ax.legend(title="finish_reason", fontsize=8)
+    _outside_legend(ax, title="finish_reason", fontsize=8)
     ax.invert_yaxis()
-    fig.tight_layout()
     return _finished(fig)
 
 
 def prompt_length_bias(groups: pd.DataFrame | None) -> Any:
     """Prompt lengths of done vs. skipped vs. cancelled samples: a biased budget cut shows here."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    fig, ax = plt.subplots(figsize=(9.0, 3.4), layout="constrained")
     if groups is None or len(groups) == 0:
         ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
     else:
@@ -141,9 +158,7 @@ def prompt_length_bias(groups: pd.DataFrame | None) -> Any:
             ax.set_title("Prompt lengths: done vs. skipped vs. cancelled")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("share of samples (density)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    _outside_legend(ax, fontsize=8)
     return _finished(fig)
 
 
@@ -156,7 +171,7 @@ def check_failures(result: Any) -> Any:
     df["dataset"] = result.meta["dataset"].astype(str).to_numpy()
     tab = df.groupby("dataset").sum()
     tab = tab.loc[:, tab.sum() > 0]
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    fig, ax = plt.subplots(figsize=(8.5, 0.5 * max(1, tab.shape[1]) + 2.0), layout="constrained")
     if tab.shape[1] == 0:
         ax.text(0.5, 0.5, f"no check failed on {len(st)} records", ha="center", va="center",
                 transform=ax.transAxes, fontsize=12)
@@ -164,7 +179,7 @@ def check_failures(result: Any) -> Any:
     else:
         tab.T.plot.barh(stacked=True, ax=ax)
         ax.set_xlabel("failed records")
-        ax.legend(title="dataset", fontsize=7)
+        _integer_ticks(ax.xaxis)
+        _outside_legend(ax, title="dataset", fontsize=7)
     ax.set_title("Failed records per check")
-    fig.tight_layout()
     return _finished(fig)
