@@ -35,6 +35,7 @@
 from eagle3data.generate import run_generate
 from eagle3data.ledger import read_ledger
 from eagle3data.params import load_params, params_for_display
+from eagle3data.report import banners, ledger_banners
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"
@@ -56,6 +57,7 @@ print(f"{summary.status}: {summary.new_records} new records in {summary.seconds:
       + (f" — {summary.stop_reason}" if summary.stop_reason else ""))
 if summary.torn_tail_bytes:
     print("cut torn journal tails (bytes):", summary.torn_tail_bytes)
+banners(ledger_banners(read_ledger(P.run_dir)))  # zero records, prompt lines rejected when read
 
 # %% [markdown]
 # ## 2. Ledger: planned, done, errors, skipped (never sent), cancelled (in flight when cut)
@@ -69,10 +71,11 @@ summary.table()
 # %%
 summary.providers()
 
-# %% [markdown]
-# ## Figures recorded for tests and the report
+# %% [markdown] tags=["hide-from-html"]
+# ## Figures recorded for tests
+# (left out of the notebook's HTML copy: the cell tag `hide-from-html`)
 
-# %%
+# %% tags=["hide-from-html"]
 ledger = read_ledger(P.run_dir)
 t = summary.table()
 figures = {

@@ -79,10 +79,11 @@ result.drift_table()
 # %%
 result.drift_examples()
 
-# %% [markdown]
-# ## Figures recorded for tests and the report
+# %% [markdown] tags=["hide-from-html"]
+# ## Figures recorded for tests
+# (left out of the notebook's HTML copy: the cell tag `hide-from-html`)
 
-# %%
+# %% tags=["hide-from-html"]
 figures = {
     "api_records": result.summary["api_records"],
     "drift_records": result.drift["overall"]["n"],

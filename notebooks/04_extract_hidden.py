@@ -108,9 +108,10 @@ reader = HiddenReader(res.hidden_dir) if res.merged else None  # a stopped run h
 one = reader.sample(0) if reader else {}
 {k: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v for k, v in one.items()}
 
-# %% [markdown]
-# ## Figures recorded for tests and the report
+# %% [markdown] tags=["hide-from-html"]
+# ## Figures recorded for tests
+# (left out of the notebook's HTML copy: the cell tag `hide-from-html`)
 
-# %%
+# %% tags=["hide-from-html"]
 figures = res.figures()
 figures

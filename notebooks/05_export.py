@@ -30,6 +30,7 @@
 # %%
 from eagle3data.export import run_export
 from eagle3data.params import load_params, params_for_display
+from eagle3data.report import export_banners
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"
@@ -46,6 +47,7 @@ params_for_display(P)["export"]
 # %%
 result = run_export(P)
 print("written to", result.out_dir)
+export_banners(result)  # an unaudited export, failed records let in, or nothing exported
 
 # %% [markdown]
 # ## 2. What went out, per dataset (exact vs rebuilt ids), and what was skipped and why
@@ -72,10 +74,11 @@ result.vocab.summary()
 # %%
 result.coverage_figure()
 
-# %% [markdown]
-# ## Figures recorded for tests and the report
+# %% [markdown] tags=["hide-from-html"]
+# ## Figures recorded for tests
+# (left out of the notebook's HTML copy: the cell tag `hide-from-html`)
 
-# %%
+# %% tags=["hide-from-html"]
 figures = {
     "exported": result.manifests["specforge"]["exported"],
     "ids_exact": result.manifests["specforge"]["ids_exact"],
