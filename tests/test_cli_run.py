@@ -190,3 +190,76 @@ def test_headless_generate_missing_model_folder_is_one_line(tmp_path):
                          cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == ["error: model.path: model folder not found: /nonexistent/model"]
+
+
+@pytest.mark.parametrize("case, content, words", [
+    ("missing file", None, ["datasets.0 (d0, format prompts)", "prompt file not found", "nope.jsonl"]),
+    ("empty file", b"", ["datasets.0 (d0, format prompts)", "the file is empty"]),
+    ("parquet named .jsonl", b"PAR1\x00\x00\x00\x00PAR1", ["datasets.0 (d0, format prompts)", "parquet"]),
+])
+def test_bad_prompt_file_is_one_line_before_any_notebook(tmp_path, case, content, words):
+    """`run --only 01` checks each prompt file against its format first: one line, exit 2, no notebook started."""
+    path = tmp_path / "nope.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    with LoopbackServer("openai") as srv:
+        res = _run("run", *_args(tmp_path, srv, 3, datasets=[{"name": "d0", "path": str(path)}]))
+    assert res.returncode == 2, (case, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.stderr, (case, res.stderr)
+    for w in words:
+        assert w in lines[0], (case, w, lines[0])
+    assert not (tmp_path / "out" / "run" / "notebooks").exists()  # no stage started
+    assert not (tmp_path / "out" / "run" / "records").exists()
+
+
+def test_ready_problems_lists_every_bad_prompt_file(tmp_path):
+    """One problem per bad dataset (joined into the one error line), none for a good file or without 01."""
+    from eagle3data.cli import ready_problems
+    from eagle3data.params import load_params
+
+    good = _prompts(tmp_path / "good.jsonl", 2)
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path / "out"), "datasets": orjson.dumps([
+        {"name": "a", "path": str(good)}, {"name": "b", "path": str(tmp_path / "empty.jsonl")},
+        {"name": "c", "path": str(tmp_path / "missing.jsonl")}]).decode()})
+    probs = ready_problems(p, ["01_generate"])
+    assert [x.split(" ", 1)[0] for x in probs] == ["datasets.1", "datasets.2"], probs
+    assert "empty" in probs[0] and "missing.jsonl" in probs[1]
+    assert ready_problems(p, ["03_audit"]) == []  # later stages do not read the prompt files
+
+
+def test_rejected_prompt_lines_reach_the_terminal_after_01(tmp_path, monkeypatch, capsys):
+    """After 01 under `run`, each dataset's rejected-prompt count and its first 3 lines go to stdout."""
+    from eagle3data import cli
+    from eagle3data.generate import run_generate
+    from eagle3data.params import load_params
+
+    good = [orjson.dumps({"sample_id": i, "messages": [{"role": "user", "content": f"Q {i}?"}]}) for i in range(4)]
+    bad = [b'{"sample_id": 10}', b"not json at all", b'{"sample_id": 11, "messages": "x"}', b'{"sample_id": 12}']
+    prompts = tmp_path / "with_bad_rows.jsonl"
+    prompts.write_bytes(b"\n".join(good[:2] + bad + good[2:]) + b"\n")
+    ran = []
+
+    def headless_01(stage, params_file, overrides, out_dir):  # the stage's work without the papermill kernel
+        ran.append(stage)
+        run_generate(load_params(params_file, overrides), progress=False)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{stage}.html").write_text("<html></html>")
+        return out_dir / f"{stage}.ipynb"
+
+    monkeypatch.setattr(cli, "execute_notebook", headless_01)
+    monkeypatch.setenv(KEY_ENV, "sk-loopback")
+    with LoopbackServer("openai") as srv:
+        args = _args(tmp_path, srv, 0, datasets=[{"name": "d0", "path": str(prompts), "max_rejected_share": 0.9}])
+        rc = cli.main(["run", *args])
+    out, err = capsys.readouterr()
+    assert rc == 0 and ran == ["01_generate"], (out, err)
+    led = orjson.loads((tmp_path / "out" / "run" / "ledger.json").read_bytes())
+    rej = led["datasets"]["d0"]["rejected_prompt_lines"]
+    assert len(rej) == 4 and led["datasets"]["d0"]["done"] == 4
+    lines = out.splitlines()
+    i = next(k for k, x in enumerate(lines) if "d0: 4 prompt line(s) rejected" in x)
+    assert lines[i + 1:i + 4] == [f"    {x}" for x in rej[:3]]  # the first three, as the ledger has them
+    assert "1 more" in lines[i + 4] and "ledger.json" in lines[i + 4]
+    assert cli.rejected_prompt_report(tmp_path / "nowhere") == []  # no ledger: nothing to say

@@ -94,6 +94,13 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
         if path and not path.startswith(EMBEDDED) and not Path(path).expanduser().exists():
             what = "tokenizer" if key.endswith("tokenizer_path") or not needs_model else "model"
             problems.append(f"{key}: {what} folder not found: {path}")
+    if "01_generate" in stages:  # a prompt file that cannot be read by its format: one line each, before any notebook
+        from .params import ParamsError, check_dataset_files
+
+        try:
+            check_dataset_files(params)
+        except ParamsError as e:
+            problems.extend(x for x in str(e).splitlines() if x.strip())
     g = params.generate
     if "01_generate" in stages and g.backend == "openai" and g.openai is not None:
         env = g.openai.api_key_env
@@ -101,6 +108,26 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
             problems.append(f"generate.openai.api_key_env: environment variable {env} is not set "
                             f"(export {env}=<key>; the key is never a param)")
     return problems
+
+
+def rejected_prompt_report(run_dir: Path, k: int = 3) -> list[str]:
+    """From 01's ledger: per dataset with rejected prompt lines, the count and the first k (for the terminal)."""
+    from .ledger import read_ledger
+
+    try:
+        led = read_ledger(run_dir) or {}
+    except Exception:  # noqa: BLE001 - a report line, never a reason to fail a finished stage
+        return []
+    out = []
+    for name, d in (led.get("datasets") or {}).items():
+        rej = list((d or {}).get("rejected_prompt_lines") or [])
+        if not rej:
+            continue
+        out.append(f"  {name}: {len(rej)} prompt line(s) rejected when read (never sent):")
+        out += [f"    {x}" for x in rej[:k]]
+        if len(rej) > k:
+            out.append(f"    ... and {len(rej) - k} more: rejected_prompt_lines in {_shown_path(run_dir / 'ledger.json')}")
+    return out
 
 
 # ------------------------------------------------------------------ stopping a run
@@ -375,12 +402,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             if control.reason is not None:
                 status, _ = _stage_outcome(run_dir, stage)
                 print(f"{lead} {status} after {took} -> {html}")
+                if stage == "01_generate":
+                    for line in rejected_prompt_report(run_dir):
+                        print(line)
                 if status == "finished" or stage not in ("01_generate", "04_extract_hidden"):
                     if n + 1 < len(stages):
                         return _report_stop(args, control, stages[n + 1:], run_dir, None)
                     break
                 return _report_stop(args, control, stages[n:], run_dir, stage)
             print(f"{lead} done in {took} -> {html}")
+            if stage == "01_generate":
+                for line in rejected_prompt_report(run_dir):
+                    print(line)
     finally:
         control.restore()
         os.environ.pop(CLI_RUN_ENV, None)
