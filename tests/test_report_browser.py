@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,11 +52,11 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-def browser_check(page: Path, workdir: Path) -> dict:
+def browser_check(page: Path, workdir: Path, probe: str = PROBE) -> dict:
     """Load `page` in headless Chromium; return what the injected probe saw (images, check tables)."""
     probe_page = workdir / "probed.html"
     text = page.read_text(encoding="utf-8")
-    probe_page.write_text(text.replace("</body>", PROBE + "</body>") if "</body>" in text else text + PROBE,
+    probe_page.write_text(text.replace("</body>", probe + "</body>") if "</body>" in text else text + probe,
                           encoding="utf-8")
     cmd = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            "--no-first-run", "--disable-component-update", "--disable-sync",
@@ -151,3 +152,99 @@ def test_audit_report_of_a_real_run_in_the_browser(ci_run, tmp_path):
     assert seen["images"], "the audit report has no plot"
     assert all(i["complete"] and i["width"] > 0 for i in seen["images"]), seen["images"]
     assert seen["check_tables"] >= 1, "no <table class='check-table'> in the audit report"
+
+
+# What the inspector's token boxes look like once laid out: the whitespace-only tokens (those
+# holding a `.e3-ws` marker) with their rendered text and width, how many ordinary tokens the
+# browser split over two lines, how many lines the wrapped box has, and the page's visible text.
+TOKEN_PROBE = (
+    "<script>window.addEventListener('load',function(){"
+    "var toks=Array.from(document.querySelectorAll('span.e3-tok'));"
+    "var ws=toks.filter(function(t){return t.querySelector('.e3-ws')!==null;}).map(function(t){"
+    "return {text:t.innerText,width:t.getBoundingClientRect().width,title:t.getAttribute('title')}});"
+    "var broken=toks.filter(function(t){return t.textContent.indexOf('\\n')<0 && t.getClientRects().length>1;})"
+    ".map(function(t){return t.getAttribute('title')});"
+    "var tops={};toks.forEach(function(t){tops[Math.round(t.getBoundingClientRect().top)]=1;});"
+    "var r={tokens:toks.length,ws:ws,broken:broken,lines:Object.keys(tops).length,"
+    "outlined:document.querySelectorAll('span.e3-tok.e3-div').length,"
+    "matrix_scroll:Array.from(document.querySelectorAll('table.check-matrix')).map(function(t){"
+    "return getComputedStyle(t.parentElement).overflowX}),"
+    "text:document.body.innerText};"
+    "var p=document.createElement('pre');p.id='" + MARKER + "';p.textContent=JSON.stringify(r);"
+    "document.body.appendChild(p);});</script>"
+)
+
+
+def _whitespace_run(run_dir: Path, tok) -> Path:
+    """A run folder whose executed-looking 03 notebook holds the inspector on code with indentation tokens.
+
+    Record 1: output `def f(x):\\n    if x: ...` (tokens '\\n   ', '\\n       ', ' ' hold only
+    whitespace) plus a long line, so the box wraps. Record 2: `hello` split into two tokens
+    (`hel` + `lo`), so decode->encode diverges. Also a check matrix, the banners, and a
+    figures cell tagged `hide-from-html` that must not reach the page.
+    """
+    import nbformat
+    import orjson
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    from eagle3data.audit import audit_table
+    from eagle3data.idtable import read_journal
+    from eagle3data.inspector import inspect_record
+    from eagle3data.profiles import SMOLLM2
+    from eagle3data.report import HIDE_TAG, audit_banners, check_matrix_html
+
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    prompt = enc(tok.apply_chat_template([{"role": "user", "content": "Write f."}], add_generation_prompt=True,
+                                         tokenize=False))
+    code = "def f(x):\n    if x:\n        return 1\n" + " ".join(f"word{i}" for i in range(160)) + "\n"
+    out1 = enc(code) + [2]
+    out2 = enc("Say ") + enc("hel") + enc("lo") + [2]
+    (run_dir / "records").mkdir(parents=True)
+    recs = [{"dataset": "code", "sample_id": sid, "source": "local", "finish_reason": "stop", "prompt_ids": prompt,
+             "output_ids": o, "messages": [{"role": "user", "content": "Write f."}]}
+            for sid, o in ((1, out1), (2, out2))]
+    (run_dir / "records" / "code.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
+    result = audit_table(read_journal(run_dir / "records" / "code.jsonl", source_fields=True), SMOLLM2, tokenizer=tok)
+    assert result.status.at[1, "text.roundtrip"] == 1  # record 2 fails the roundtrip (the split `hello`)
+
+    def html_cell(h: str, **meta) -> Any:
+        c = new_code_cell("x", outputs=[new_output("execute_result", execution_count=1,
+                                                   data={"text/html": h, "text/plain": "<HTML block>"})])
+        c.metadata.update(meta)
+        return c
+
+    cells = [new_markdown_cell("# 03 · Audit"), html_cell(audit_banners(result).html),
+             html_cell(check_matrix_html(result).html),
+             html_cell(inspect_record(result, "code", 1, tok).html), html_cell(inspect_record(result, "code", 2, tok).html),
+             new_markdown_cell("## Figures recorded for tests", metadata={"tags": [HIDE_TAG]}),
+             html_cell("<p>FIGURES-FOR-TESTS {'records': 2}</p>", tags=[HIDE_TAG])]
+    (run_dir / "notebooks").mkdir()
+    nbformat.write(new_notebook(cells=cells), str(run_dir / "notebooks" / "03_audit.ipynb"))
+    return run_dir
+
+
+@needs_chromium
+def test_whitespace_tokens_stay_visible_and_tokens_never_break_in_the_browser(tmp_path, smollm2_tokenizer):
+    """The report in Chromium: indentation tokens visible (markers, width), no token split over two lines,
+    the roundtrip divergence named and outlined, the matrix scrolls, no figures-for-tests, no absolute path."""
+    from eagle3data.report import render_report
+
+    run_dir = _whitespace_run(tmp_path / "run", smollm2_tokenizer)
+    report = render_report(run_dir)
+    raw = report.read_text(encoding="utf-8")
+    seen = browser_check(report, tmp_path, TOKEN_PROBE)
+    ws = {w["text"] for w in seen["ws"]}
+    assert "\u21b5\n\u00b7\u00b7\u00b7" in ws, ws  # '\\n   ': newline marker, then three visible spaces
+    assert "\u21b5\n" + "\u00b7" * 7 in ws, ws  # '\\n       ': the deeper indentation
+    assert "\u00b7" in ws, ws  # the lone ' ' before 1
+    assert all(w["width"] > 0 for w in seen["ws"]), seen["ws"]
+    assert seen["lines"] > 3 and seen["broken"] == [], seen["broken"]  # wrapped, but only between tokens
+    text = seen["text"]
+    assert "decode\u2192encode diverges at output position 1 " in text, text[-3000:]  # 'Say',' ' vs 'Say',' hello'
+    assert "re-encoding gives" in text and "re-encoded token" in text  # both sides, ids and tokens
+    assert seen["outlined"] == 2  # the divergent token, in the decoded output and in the full sequence
+    assert "FAIL 1/2" in text and seen["matrix_scroll"] == ["auto"]
+    assert "failed at least one check" in text  # the banner
+    assert "FIGURES-FOR-TESTS" not in raw and "Figures recorded for tests" not in raw
+    assert "records/code.jsonl" in text and str(tmp_path) not in raw  # relative to the run folder
+    assert "provider None" not in text and "word-break:break-all" not in raw
