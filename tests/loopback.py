@@ -49,6 +49,20 @@ def _text(rng: random.Random, nbytes: int) -> str:
     return " ".join(out)
 
 
+def _word_logprobs(text: str, top: int | None) -> list[dict[str, Any]]:
+    """Per-token entries for `text`, one per word with its leading space (the way BPE vocabularies hold words)."""
+    out, i = [], 0
+    while i < len(text):
+        j = text.find(" ", i + 1)
+        j = len(text) if j < 0 else j
+        piece = text[i:j]
+        ent: dict[str, Any] = {"token": piece, "logprob": -0.25, "bytes": list(piece.encode())}
+        ent["top_logprobs"] = [{"token": piece, "logprob": -0.25, "bytes": list(piece.encode())}][: top or 0]
+        out.append(ent)
+        i = j
+    return out
+
+
 class _Conn(asyncio.Protocol):
     def __init__(self, server: "LoopbackServer"):
         self.server = server
@@ -230,6 +244,8 @@ class LoopbackServer:
         self.rng = random.Random(seed)
         self.faults: deque[str] = deque()
         self.script: Any = None  # SGLang kind: prompt ids -> output ids, instead of the generated ones
+        # OpenRouter kind: request -> {"reasoning", "content", "logprobs", "usage"...} overriding the generated answer
+        self.chat_script: Any = None
         self.always: str | None = None
         self.requests: list[dict[str, Any]] = []
         self.probes: list[float] = []  # when GET /v1/models was answered (vLLM kind)
@@ -410,8 +426,10 @@ class LoopbackServer:
         content = _text(self.rng, size // 3)
         if fault == "eot":
             content += self.eot_text
+        scripted = self.chat_script(req or {}) if self.chat_script is not None else {}
+        reasoning, content = scripted.get("reasoning", reasoning), scripted.get("content", content)
         msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning": reasoning}
-        finish = "stop"
+        finish = scripted.get("finish_reason", "stop")
         tools = (req or {}).get("tools")
         if tools:
             name = tools[0]["function"]["name"]
@@ -422,7 +440,13 @@ class LoopbackServer:
         pt, rt, ct = prompt_chars // 4 + 8, len(reasoning) // 4, (len(reasoning) + len(content)) // 4
         cost = round((pt + ct) * self.price, 8)
         self.spent += cost
+        pt, ct = pt, scripted.get("completion_tokens", ct)
+        rt = scripted.get("reasoning_tokens", rt)
         choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish, "native_finish_reason": finish}
+        if (req or {}).get("logprobs"):  # OpenAI shape: per content token {token, logprob, bytes, top_logprobs}
+            choice["logprobs"] = scripted.get("logprobs") or {"content": _word_logprobs(content or "",
+                                                                                          (req or {}).get("top_logprobs")),
+                                                              "refusal": None}
         if fault == "error200":
             choice.update(finish_reason="error", native_finish_reason="error",
                           error={"code": 502, "message": "provider disconnected mid-stream"})

@@ -207,7 +207,7 @@ def test_seam_mismatch_is_detected_with_its_position(vocab, seam_check):
     good = one(tok, prof, turn, seam_check=seam_check)
     rb = one(bad, prof, turn, seam_check=seam_check)
     assert good.seam_ok
-    assert not rb.seam_ok and "seam_mismatch" in rb.flags
+    assert not rb.seam_ok and "structure_token_split" in rb.flags
     assert rb.seam_first_diff is not None and 0 < rb.seam_first_diff <= len(good.output_ids)
 
 

@@ -26,7 +26,7 @@ class AuditInputError(ValueError):
     """Audit input cannot be read; the message names the file, line and field."""
 
 
-META_COLUMNS = ["dataset", "sample_id", "source", "provider", "finish_reason", "ids_exact", "profile", "model"]
+META_COLUMNS = ["dataset", "sample_id", "source", "provider", "finish_reason", "ids_exact", "profile", "model", "turn"]
 
 
 @dataclass
@@ -50,6 +50,7 @@ class IdTable:
     reasoning: list | None = None
     content: list | None = None
     loss_mask: list | None = None
+    tool_calls: list | None = None
     bad_lines: list[str] = field(default_factory=list)
     torn_tail_bytes: int = 0
 
@@ -114,6 +115,7 @@ def _assemble_table(objs: list[dict[str, Any]], prompt: tuple[np.ndarray, np.nda
         t.reasoning = [o.get("reasoning") for o in objs]
         t.content = [o.get("content") for o in objs]
         t.loss_mask = [o.get("loss_mask") for o in objs]
+        t.tool_calls = [o.get("tool_calls") for o in objs]
     return t
 
 
@@ -482,7 +484,7 @@ def concat_tables(tables: Sequence[IdTable]) -> IdTable:
     t = IdTable(pd.concat([t.meta for t in tables], ignore_index=True), prompt, poff,
                 np.concatenate([t.has_prompt for t in tables]), output, ooff,
                 np.concatenate([t.has_output for t in tables]))
-    for f in ("messages", "tools", "reasoning", "content", "loss_mask"):
+    for f in ("messages", "tools", "reasoning", "content", "loss_mask", "tool_calls"):
         if all(getattr(x, f) is not None for x in tables):
             setattr(t, f, list(chain.from_iterable(getattr(x, f) for x in tables)))
     t.bad_lines = list(chain.from_iterable(x.bad_lines for x in tables))
@@ -499,12 +501,16 @@ def _empty_table() -> IdTable:
 def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
     """Fill ids of API records (output_ids null) from 02's `reconstruct/<dataset>.jsonl` (`reader.read_rebuilt`).
 
-    Adds the meta column `ids_from`: `journal`, `reconstruct`, or `none`. A missing
+    Adds the meta columns `ids_from` (`journal`, `reconstruct`, or `none`) and `proof_level`
+    (`engine` for exact journal ids, 02's level for rebuilt ids, `journal` for journal ids
+    not marked exact, `none` without ids, `unknown` for a rebuilt line without a level). A missing
     reconstruct file leaves the record without ids (check `record.has_ids`); a malformed one
     is an AuditInputError naming its file and line.
     """
     meta = table.meta
     meta["ids_from"] = np.where(table.has_output, "journal", "none")
+    exact = meta["ids_exact"].fillna(False).astype(bool).to_numpy() if "ids_exact" in meta else False
+    meta["proof_level"] = np.where(table.has_output & exact, "engine", np.where(table.has_output, "journal", "none"))
     need = np.flatnonzero(~table.has_output)
     if len(need) == 0:
         return table
@@ -529,6 +535,7 @@ def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
         if table.loss_mask is not None:
             table.loss_mask[i] = o.get("loss_mask")
         meta.at[i, "ids_from"] = "reconstruct"
+        meta.at[i, "proof_level"] = o.get("proof_level") or "unknown"
     for name, off_name, segs in (("output", "output_off", outs), ("prompt", "prompt_off", prompts)):
         lens = np.fromiter((len(s) for s in segs), np.int64, count=len(segs))
         off = np.zeros(len(segs) + 1, np.int64)
@@ -546,12 +553,21 @@ def take_records(table: IdTable, rows: np.ndarray) -> IdTable:
     t = IdTable(table.meta.iloc[rows].reset_index(drop=True),
                 *_take_rows(table.prompt, table.prompt_off, table.has_prompt, rows),
                 *_take_rows(table.output, table.output_off, table.has_output, rows))
-    for f in ("messages", "tools", "reasoning", "content", "loss_mask"):
+    for f in ("messages", "tools", "reasoning", "content", "loss_mask", "tool_calls"):
         v = getattr(table, f)
         if v is not None:
             setattr(t, f, [v[i] for i in rows.tolist()])
     t.bad_lines, t.torn_tail_bytes = table.bad_lines, table.torn_tail_bytes
     return t
+
+
+def meta_keys(meta: pd.DataFrame) -> list[Any]:
+    """Each row's key for the supersede rule: (dataset, sample_id), or its `SampleKey` with the turn where
+    the run was generated turn by turn (`turn` set): each turn is its own sample."""
+    if "turn" in meta and meta["turn"].notna().any():
+        return [SampleKey(str(d), str(s), None if t is None or t != t else int(t))
+                for d, s, t in zip(meta["dataset"], meta["sample_id"], meta["turn"])]
+    return list(zip(meta["dataset"].astype(str), meta["sample_id"].astype(str)))
 
 
 def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
@@ -561,7 +577,7 @@ def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
     line) and the line of the record that replaced it (`record_line`).
     """
     m = table.meta
-    keys = list(zip(m["dataset"].astype(str), m["sample_id"].astype(str)))
+    keys = meta_keys(m)
     is_record, dup = supersede_rule(keys, m["finish_reason"].tolist())
     rec_rows = np.flatnonzero(np.asarray(is_record, bool))
     old_rows = np.flatnonzero(~np.asarray(is_record, bool))

@@ -26,6 +26,7 @@ import orjson
 
 from .params import RunParams
 from .reader import RunFileError, RunView, Sample, SampleKey, read_run
+from .reconstruct import PROOF_RANK
 
 __all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "build_mix", "hidden_dir",
            "read_mix", "source_sequences", "tmp_tag", "write_mix"]
@@ -45,6 +46,7 @@ DROP_REASONS = {
     "truncated": "cut at max_new_tokens (hidden.drop_truncated)",
     "not_audited": "no 03_audit verdict although the audit ran",
     "audit_failed": "failed a 03_audit check (hidden.include_failed is off)",
+    "proof_too_low": "rebuilt API ids whose 02 proof level is below hidden.min_proof_level",
     "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
     "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
     "over_weight": "beyond the dataset's share (hidden.dataset_weights), chosen by the seeded shuffle",
@@ -179,6 +181,10 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
                 if v.get("failed"):
                     drop(rec, "audit_failed", checks=list(v["failed"]))
                     continue
+            level = (view.rebuilt.get(s.key) or {}).get("proof_level") if rec.get("output_ids") is None else None
+            if level is not None and PROOF_RANK.get(level, -1) < PROOF_RANK[hp.min_proof_level]:
+                drop(rec, "proof_too_low", proof_level=level)
+                continue
             cands.append(s)
         # deterministic order before dedupe/caps: journals are in completion order
         cands.sort(key=lambda s: _sort_key(s.sample_id))
@@ -308,7 +314,7 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
         "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "dataset_weights": hp.dataset_weights,
                      "weight_unit": hp.weight_unit, "datasets": _chosen(params),
                      "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
-                     "dedupe": hp.dedupe, "max_context": max_context},
+                     "dedupe": hp.dedupe, "max_context": max_context, "min_proof_level": hp.min_proof_level},
         "datasets": per,
         "weights": shares,
         "dropped_counts": drops,

@@ -121,6 +121,24 @@ class OpenAIParams(Strict):
     credit_poll_s: float = Field(
         30.0, gt=0, description="Re-read GET {base_url}/key this often while running (credit in the progress line)."
     )
+    logprobs: bool = Field(
+        False, description="Ask for per-token log-probabilities (OpenAI `logprobs: true`): 02 then takes the content's "
+                           "ids from the provider's own tokens (proof level `token`). Sets OpenRouter's "
+                           "`provider.require_parameters: true` so only providers that return them are used.",
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Alternatives per position with `logprobs` (OpenAI `top_logprobs`, 0-20; None: "
+                                       "not sent). 02 needs none; they only make records larger.",
+    )
+
+    @model_validator(mode="after")
+    def _logprobs_routing(self) -> "OpenAIParams":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("generate.openai.top_logprobs needs generate.openai.logprobs: true")
+        if self.logprobs and self.provider is not None and self.provider.require_parameters is False:
+            raise ValueError("generate.openai.logprobs needs provider.require_parameters true (a provider that "
+                             "ignores `logprobs` would answer without them); leave it unset or set it true")
+        return self
 
 
 class GenerateParams(Strict):
@@ -149,6 +167,11 @@ class GenerateParams(Strict):
     max_rate_limit_retries: int = Field(50, ge=0, description="Retries after HTTP 429 (each waits Retry-After).")
     journal_fsync: bool = Field(False, description="fsync every journal line (survives power loss; slower).")
     ledger_interval_s: float = Field(1.0, gt=0, description="How often ledger.json and the progress line refresh.")
+    turns: Literal["last", "all"] = Field(
+        "last", description="`last`: regenerate the last assistant turn only (the history is the dataset's); "
+        "`all`: regenerate every assistant turn in order, each from the model's own earlier replies (one record per turn, "
+        "dataset tool results spliced in where the model's call matches).")
+    max_turns: int | None = Field(None, gt=0, description="turns: all: generate at most this many turns per conversation.")
 
     @model_validator(mode="after")
     def _backend_settings_present(self) -> "GenerateParams":
@@ -176,6 +199,16 @@ class ReconstructParams(Strict):
         False, description="Append the profile's guard token (Kimi [EOS]) after end-of-turn; engines stop before it."
     )
     batch_size: int = Field(4096, gt=0, description="Records per batched tokenizer call.")
+    calibration_min_records: int = Field(
+        10, ge=1, description="Billed records a (provider, dataset, end) group needs before its count offset is "
+                              "learned; smaller groups use offset 0 (billed == rebuilt).",
+    )
+    calibration_min_share: float = Field(
+        0.6, gt=0.0, le=1.0, description="Share of a group's records that must sit on the learned offset.",
+    )
+    max_count_offset: int = Field(
+        3, ge=0, description="Largest |offset| accepted (end-of-turn, reasoning close, guard: a few tokens at most).",
+    )
 
 
 class AuditParams(Strict):
@@ -207,6 +240,12 @@ class HiddenParams(Strict):
         False, description="Leave out records cut at max_new_tokens (finish_reason `length` or audit `truncated`)."
     )
     dedupe: bool = Field(True, description="Drop records whose input_ids repeat an earlier record's exactly.")
+    min_proof_level: Literal["failed", "text", "count", "token", "engine"] = Field(
+        "count",
+        description="Weakest proof level of rebuilt API ids let into the mix (02's `proof_level`: engine > token > "
+                    "count > text > failed). Records with engine ids are never dropped by it; rebuilt lines without "
+                    "a proof level (written before levels existed) are let in.",
+    )
     out_dir: str | None = Field(
         None, description="Folder for the mix, shards and index (default `<run>/hidden/`), e.g. a large scratch disk."
     )

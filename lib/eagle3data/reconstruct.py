@@ -23,6 +23,7 @@ import functools
 import gc
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,22 +40,67 @@ from .stats import wilson_interval
 FLAGS: dict[str, str] = {
     "truncated": "finish_reason is length/abort: no end-of-turn appended",
     "truncated_in_reasoning": "cut inside reasoning: no reasoning-close appended either",
+    "length_cut_after_reasoning": "length cut with empty content, but the billed reasoning tokens (or the provider's "
+                                  "tokens) show the model closed its reasoning: the reasoning-close is kept",
     "empty_reasoning": "reasoning profile but the reasoning text is empty",
     "empty_output": "no reasoning, content or tool calls at all",
+    "prompt_closed_reasoning": "the prompt's template already closed reasoning (thinking off): no reasoning block added",
+    "reasoning_after_closed_prompt": "the prompt closed reasoning, yet the API returned reasoning text (kept as plain "
+                                     "text before the content: the ids cannot be the model's)",
     "content_has_end_of_turn": "content holds the end-of-turn (or guard) token",
     "content_has_reasoning_token": "content holds a reasoning-open/close token",
     "content_has_tool_call_token": "content holds raw tool-call tokens (kept as they are)",
     "reasoning_has_tool_call_token": "reasoning holds a tool-call token",
     "reasoning_has_reasoning_token": "reasoning holds a reasoning-open/close token",
     "reasoning_has_end_of_turn": "reasoning holds the end-of-turn (or guard) token",
+    "content_has_added_token_text": "content holds the literal text of another added/special token of the tokenizer "
+                                    "(e.g. <|im_start|>, <|endoftext|>, <tool_response>, fill-in-middle): it "
+                                    "encodes as that token's id, which the model may not have emitted",
+    "reasoning_has_added_token_text": "reasoning holds the literal text of another added/special token of the tokenizer",
+    "content_has_replacement_char": "content holds U+FFFD: the engine emitted bytes that are not valid UTF-8 there; "
+                                    "the text lost them, so no rebuild from text can be the model's ids",
+    "reasoning_has_replacement_char": "reasoning holds U+FFFD (see content_has_replacement_char)",
     "tool_calls_without_native_form": "structured tool calls, but the profile has no tool-call tokens: not rendered",
     "bad_tool_call": "a tool call without a function name or with unusable arguments",
-    "seam_mismatch": "the parts encoded separately differ from the whole",
-    "roundtrip_mismatch": "decode(ids) differs from the assembled text (e.g. NFC normalization)",
+    "structure_token_split": "a structural token (think, tool-call, end-of-turn) did not encode as its own single id "
+                             "on its span: the tokenizer has an added token overlapping it (a profile/tokenizer "
+                             "mismatch; cannot happen on the shipped Qwen3/SmolLM2/Kimi vocabularies)",
+    "roundtrip_mismatch": "decode(ids) differs from the assembled text (e.g. NFC normalization): the ids do not spell it",
     "no_billed_count": "the API billed no completion_tokens to compare with",
     "count_outside_tolerance": "rebuilt length differs from billed tokens beyond reconstruct.count_tolerance",
+    "count_off_offset": "rebuilt length minus billed completion tokens is not the calibrated offset of its "
+                        "(provider, dataset, end): a token more or less than the model produced",
+    "reasoning_count_off_offset": "rebuilt reasoning span minus billed reasoning tokens is not the calibrated offset",
+    "provider_tokens_unusable": "the API returned per-token output that does not map to the tokenizer's ids or does "
+                                "not spell the text: rebuilt from text instead",
     "prompt_templated_here": "the record had no prompt_ids: templated from its messages",
 }
+
+# Proof levels, weakest first. `engine` records come from the journal (02 never writes them).
+PROOF_LEVELS: tuple[str, ...] = ("failed", "text", "count", "token", "engine")
+PROOF_RANK: dict[str, int] = {lv: i for i, lv in enumerate(PROOF_LEVELS)}
+PROOF_MEANING: dict[str, str] = {
+    "engine": "the ids an engine produced (local, SGLang, vLLM with token ids): nothing rebuilt",
+    "token": "every text span's ids are the provider's own tokens (logprobs), mapped to ids and proven to spell the "
+             "text; only structural tokens (think, end-of-turn) are placed by the profile; billed counts agree",
+    "count": "rebuilt by re-tokenizing: the ids spell the text, the billed completion count equals the rebuilt length "
+             "after the (provider, dataset) offset, the billed reasoning count agrees where reported, and nothing "
+             "risky is in the text. A same-count resplit (H+AVING vs HAV+ING) is still possible: drift by level "
+             "measures how often",
+    "text": "only that the ids spell the API text: the count is off its offset or not billed, or the text holds "
+            "something its ids cannot be sure of (U+FFFD, the literal text of a special token, reasoning after a "
+            "closed prompt)",
+    "failed": "the ids do not spell the returned text, or the response cannot be rendered (empty, bad or "
+              "unrenderable tool calls)",
+}
+_FAILED_FLAGS = frozenset({"roundtrip_mismatch", "empty_output", "bad_tool_call", "tool_calls_without_native_form"})
+_RISKY_FLAGS = frozenset({
+    "content_has_end_of_turn", "content_has_reasoning_token", "content_has_tool_call_token",
+    "reasoning_has_tool_call_token", "reasoning_has_reasoning_token", "reasoning_has_end_of_turn",
+    "content_has_added_token_text", "reasoning_has_added_token_text", "content_has_replacement_char",
+    "reasoning_has_replacement_char", "structure_token_split", "reasoning_after_closed_prompt",
+})
+_CALIBRATED_FLAGS = ("count_off_offset", "reasoning_count_off_offset")
 
 
 @dataclass
@@ -67,11 +113,13 @@ class ApiTurn:
     finish_reason: str = "stop"
     prompt_ids: list[int] | None = None
     billed_tokens: int | None = None
+    billed_reasoning_tokens: int | None = None  # usage.completion_tokens_details.reasoning_tokens
+    logprobs: dict[str, Any] | None = None  # choices[0].logprobs as the API returned it
 
 
 @dataclass
 class Rebuilt:
-    """One rebuilt assistant turn and its verification."""
+    """One rebuilt assistant turn, its verification and its proof level (`grade`)."""
 
     output_ids: list[int]
     text: str
@@ -81,16 +129,70 @@ class Rebuilt:
     roundtrip_ok: bool
     billed_tokens: int | None
     count_diff: int | None
+    billed_reasoning: int | None = None
+    reasoning_rebuilt: int | None = None  # ids of the reasoning span (without open/close)
+    reasoning_diff: int | None = None
+    token_exact_spans: list[str] = field(default_factory=list)  # spans whose ids are the provider's tokens
+    needed_spans: list[str] = field(default_factory=list)  # text spans of the turn ("tools": never token-exact)
+    proof_level: str = "text"
+    checks: dict[str, Any] = field(default_factory=dict)
+    count_offset: int = 0
+    reasoning_offset: int | None = 0
+
+    def grade(self, count_offset: int = 0, reasoning_offset: int | None = 0) -> "Rebuilt":
+        """Set the count flags against the offsets, the checks (named for what they prove) and the proof level."""
+        fl = [f for f in self.flags if f not in _CALIBRATED_FLAGS]
+        count_ok = None if self.count_diff is None else self.count_diff == count_offset
+        if count_ok is False:
+            fl.append("count_off_offset")
+        r_ok = (None if self.reasoning_diff is None or reasoning_offset is None
+                else self.reasoning_diff == reasoning_offset)
+        if r_ok is False:
+            fl.append("reasoning_count_off_offset")
+        exact = set(self.token_exact_spans)
+        risky = [f for f in fl if f in _RISKY_FLAGS and f.partition("_has_")[0] not in exact]
+        if any(f in _FAILED_FLAGS for f in fl):
+            level = "failed"
+        elif self.needed_spans and exact.issuperset(self.needed_spans) and not risky and count_ok is not False \
+                and r_ok is not False:
+            level = "token"
+        elif count_ok and r_ok is not False and not risky:
+            level = "count"
+        else:
+            level = "text"
+        self.flags, self.proof_level = fl, level
+        self.count_offset, self.reasoning_offset = count_offset, reasoning_offset
+        self.checks = {"ids_spell_text": self.roundtrip_ok, "structure_tokens_whole": self.seam_ok,
+                       "count_on_offset": count_ok, "reasoning_count_on_offset": r_ok,
+                       "spans_from_provider": sorted(exact)}
+        return self
 
 
 # ---------------------------------------------------------------- assembly (pure text)
 
 
-def _special_texts(profile: Profile) -> dict[str, list[str]]:
+def _special_texts(profile: Profile, tokenizer: Any = None) -> dict[str, Any]:
+    """The profile's special texts by kind, the tokenizer's other added-token texts, and one pattern for them all.
+
+    `any` matches any of them or U+FFFD: a text it does not match (nearly every text) needs
+    no per-kind search.
+    """
     eot = [profile.end_of_turn.text] + ([profile.guard.text] if profile.guard else [])
     reasoning = [t.text for t in (profile.reasoning_open, profile.reasoning_close) if t is not None]
     tools = [t.text for t in profile.tool_calls.tokens()] if profile.tool_calls else []
-    return {"eot": eot, "reasoning": reasoning, "tools": tools}
+    added = [t for t in _added_texts(_backend(tokenizer)) if t not in set(eot + reasoning + tools)] if tokenizer is not None else []
+    needles = sorted(set(eot + reasoning + tools + added), key=len, reverse=True)
+    pat = re.compile("|".join(map(re.escape, needles + ["\ufffd"])))
+    return {"eot": eot, "reasoning": reasoning, "tools": tools, "added": added, "any": pat}
+
+
+@functools.lru_cache(maxsize=8)
+def _added_texts(bt: Any) -> tuple[str, ...]:
+    """The text of every added or special token of a tokenizer."""
+    try:
+        return tuple(t.content for t in bt.get_added_tokens_decoder().values() if t.content)
+    except AttributeError:  # not a `tokenizers.Tokenizer`
+        return ()
 
 
 def _has_any(text: str, needles: list[str]) -> bool:
@@ -103,10 +205,27 @@ _TEXT_FLAGS = [
     ("content", "eot", "content_has_end_of_turn"),
     ("content", "reasoning", "content_has_reasoning_token"),
     ("content", "tools", "content_has_tool_call_token"),
+    ("content", "added", "content_has_added_token_text"),
     ("reasoning", "tools", "reasoning_has_tool_call_token"),
     ("reasoning", "reasoning", "reasoning_has_reasoning_token"),
     ("reasoning", "eot", "reasoning_has_end_of_turn"),
+    ("reasoning", "added", "reasoning_has_added_token_text"),
 ]
+
+
+def _text_flags(content: str, reasoning: str, sp: dict[str, Any]) -> list[str]:
+    """Flags for special-token text and U+FFFD in the API text (one pattern search per field first)."""
+    search = sp["any"].search
+    hit_c, hit_r = bool(content) and search(content) is not None, bool(reasoning) and search(reasoning) is not None
+    if not (hit_c or hit_r):
+        return []
+    fields = {"content": content if hit_c else "", "reasoning": reasoning if hit_r else ""}
+    out = [flag for field_, kind, flag in _TEXT_FLAGS if _has_any(fields[field_], sp[kind])]
+    if hit_c and "\ufffd" in content:
+        out.append("content_has_replacement_char")
+    if hit_r and "\ufffd" in reasoning:
+        out.append("reasoning_has_replacement_char")
+    return out
 
 
 def _call_parts(call: dict[str, Any]) -> tuple[str, str, str | None] | None:
@@ -149,15 +268,61 @@ def _render_tool_calls(calls: list[tuple[str, str, str | None]], profile: Profil
     return segs
 
 
-def assemble(turn: ApiTurn, profile: Profile, *, append_guard: bool = False
+def prompt_reasoning_state(prompt_ids: Sequence[int] | None, profile: Profile) -> str | None:
+    """`open` when the generation prompt already opened reasoning, `closed` when it also closed it, else None.
+
+    The generation prompt is what follows the prompt's last end-of-turn id: Kimi's ends with
+    `<think>` (open); Qwen3 with thinking off ends with `<think>\\n\\n</think>\\n\\n` (closed).
+    """
+    ro, rc = profile.reasoning_open, profile.reasoning_close
+    if not prompt_ids or ro is None or rc is None:
+        return None
+    eot, state = profile.end_of_turn.id, None
+    for i in reversed(prompt_ids):
+        if i == eot:
+            break
+        if i == rc.id and state is None:
+            state = "closed"
+        elif i == ro.id:
+            return state or "open"
+    return None
+
+
+def _closed_before_cut(turn: ApiTurn, provider_closed: bool | None) -> bool:
+    """A length cut with no content: did the model close its reasoning before the cut?
+
+    The provider's own tokens decide where given; else the billed counts: more completion
+    tokens than reasoning tokens means the model emitted something after its reasoning.
+    Without either, the cut is taken to be inside the reasoning (the count check then tells).
+    """
+    if provider_closed is not None:
+        return provider_closed
+    r, c = turn.billed_reasoning_tokens, turn.billed_tokens
+    return r is not None and c is not None and c > r
+
+
+# A segment of an assembled turn: (text, structural token or None, span: "reasoning"/"content"/"tools"/None)
+Seg = tuple[str, "Token | None", "str | None"]
+
+
+def assemble(turn: ApiTurn, profile: Profile, *, append_guard: bool = False, tokenizer: Any = None
              ) -> tuple[list[tuple[str, Token | None]], list[str]]:
-    """The turn as segments `(text, structural token or None)` in the model's order, and its flags."""
-    return _assemble(turn, profile, _special_texts(profile), append_guard)
+    """The turn as segments `(text, structural token or None)` in the model's order, and its flags.
+
+    With `tokenizer`, the literal text of any of its added tokens is flagged too.
+    """
+    segs, flags, _ = _assemble(turn, profile, _special_texts(profile, tokenizer), append_guard)
+    return [(t, tok) for t, tok, _ in segs], flags
 
 
-def _assemble(turn: ApiTurn, profile: Profile, sp: dict[str, list[str]], append_guard: bool
-              ) -> tuple[list[tuple[str, Token | None]], list[str]]:
-    """`assemble` with the profile's special texts computed once per batch."""
+def _assemble(turn: ApiTurn, profile: Profile, sp: dict[str, Any], append_guard: bool,
+              keep: frozenset[str] = frozenset(), provider_closed: bool | None = None
+              ) -> tuple[list[Seg], list[str], list[str]]:
+    """`assemble` with the special texts computed once per batch: (segments, flags, the turn's text spans).
+
+    Text segments are joined (the model never saw a seam between them) except those of the
+    spans in `keep`, whose ids come from the provider.
+    """
     flags: list[str] = []
     reasoning = turn.reasoning or ""
     content = turn.content or ""
@@ -173,47 +338,63 @@ def _assemble(turn: ApiTurn, profile: Profile, sp: dict[str, list[str]], append_
             calls.append(parts)
     if not (reasoning or content or calls):
         flags.append("empty_output")
-    fields = {"content": content, "reasoning": reasoning}
-    flags.extend(flag for field_, kind, flag in _TEXT_FLAGS if _has_any(fields[field_], sp[kind]))
+    flags += _text_flags(content, reasoning, sp)
 
-    segs: list[tuple[str, Token | None]] = []
+    segs: list[Seg] = []
+    spans: list[str] = []
     if profile.is_reasoning:
-        if not reasoning:
-            flags.append("empty_reasoning")
-        ro = profile.reasoning_open
-        prompt_has_open = bool(turn.prompt_ids) and ro is not None and turn.prompt_ids[-1] == ro.id
-        if ro is not None and not prompt_has_open:
-            segs.append((ro.text, ro))
-        if reasoning:
-            segs.append((reasoning, None))
-        if truncated and not content and not calls:
-            flags.append("truncated_in_reasoning")  # the model never closed its reasoning
+        state = prompt_reasoning_state(turn.prompt_ids, profile)
+        if state == "closed":  # the template closed reasoning: no block is invented
+            flags.append("prompt_closed_reasoning")
+            if reasoning:
+                flags.append("reasoning_after_closed_prompt")
+                segs.append((reasoning, None, "reasoning"))
         else:
-            segs.append((profile.reasoning_close.text, profile.reasoning_close))  # type: ignore[union-attr]
+            if not reasoning:
+                flags.append("empty_reasoning")
+            ro = profile.reasoning_open
+            if ro is not None and state != "open":
+                segs.append((ro.text, ro, None))
+            if reasoning:
+                segs.append((reasoning, None, "reasoning"))
+            rc = profile.reasoning_close
+            assert rc is not None
+            if truncated and not content and not calls:
+                if _closed_before_cut(turn, provider_closed):
+                    flags.append("length_cut_after_reasoning")
+                    segs.append((rc.text, rc, None))
+                else:
+                    flags.append("truncated_in_reasoning")  # the model never closed its reasoning
+            else:
+                segs.append((rc.text, rc, None))
     elif reasoning:
-        segs.append((reasoning, None))  # a non-reasoning profile has no place for it: kept, flagged by audit
+        segs.append((reasoning, None, "reasoning"))  # a non-reasoning profile has no place for it: kept, flagged by audit
+    if reasoning:
+        spans.append("reasoning")
     if content:
-        segs.append((content, None))
+        segs.append((content, None, "content"))
+        spans.append("content")
     if calls:
+        spans.append("tools")
         if profile.tool_calls is None:
             flags.append("tool_calls_without_native_form")
         else:
-            segs += _render_tool_calls(calls, profile, after_content=bool(content))
+            segs += [(t, tok, "tools") for t, tok in _render_tool_calls(calls, profile, after_content=bool(content))]
     if not truncated:
-        segs.append((profile.end_of_turn.text, profile.end_of_turn))
+        segs.append((profile.end_of_turn.text, profile.end_of_turn, None))
         if append_guard and profile.guard is not None:
-            segs.append((profile.guard.text, profile.guard))
-    return _merge_text(segs), flags
+            segs.append((profile.guard.text, profile.guard, None))
+    return _merge_text(segs, keep), flags, spans
 
 
-def _merge_text(segs: list[tuple[str, Token | None]]) -> list[tuple[str, Token | None]]:
-    """Join adjacent text segments: the model never saw a seam between them."""
-    out: list[tuple[str, Token | None]] = []
-    for text, tok in segs:
-        if tok is None and out and out[-1][1] is None:
-            out[-1] = (out[-1][0] + text, None)
+def _merge_text(segs: list[Seg], keep: frozenset[str] = frozenset()) -> list[Seg]:
+    """Join adjacent text segments (the model never saw a seam between them), except spans in `keep`."""
+    out: list[Seg] = []
+    for text, tok, span in segs:
+        if tok is None and out and out[-1][1] is None and not (keep and (span in keep or out[-1][2] in keep)):
+            out[-1] = (out[-1][0] + text, None, out[-1][2] if out[-1][2] == span else None)
         elif text:
-            out.append((text, tok))
+            out.append((text, tok, span))
     return out
 
 
@@ -235,15 +416,16 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else n
 
 
-def _join(segs: list[tuple[str, Token | None]]) -> tuple[str, list[tuple[int, int, int]]]:
+def _join(segs: Sequence[Sequence[Any]]) -> tuple[str, list[tuple[int, int, int]]]:
     """The assembled text and its seams: `(start, end, id)` character span of each structural token."""
     seams: list[tuple[int, int, int]] = []
     pos = 0
-    for text, tok in segs:
+    for seg in segs:
+        text, tok = seg[0], seg[1]
         if tok is not None:
             seams.append((pos, pos + len(text), tok.id))
         pos += len(text)
-    return "".join(s for s, _ in segs), seams
+    return "".join(seg[0] for seg in segs), seams
 
 
 def _seams_hold(enc: Any, ids: list[int], seams: list[tuple[int, int, int]]) -> bool:
@@ -335,22 +517,42 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *, count_tolerance: float = 0.02,
-                  seam_check: str = "offsets", append_guard: bool = False) -> list[Rebuilt]:
-    """Rebuild and verify many turns with one batched encode.
+def _reasoning_count(enc: Any, ids: list[int], seams: list[tuple[int, int, int]], profile: Profile) -> int | None:
+    """Ids of the reasoning span in a whole encoding: between the reasoning-open seam (or the start) and the close."""
+    ro, rc = profile.reasoning_open, profile.reasoning_close
+    start = 1 if seams and ro is not None and seams[0][0] == 0 and seams[0][2] == ro.id else 0
+    for pos, _, tid in seams:
+        if rc is not None and tid == rc.id:
+            k = enc.char_to_token(pos)
+            return None if k is None else k - start
+    return len(ids) - start
 
-    `seam_check="offsets"` proves the seams from the whole encoding's offsets (no second
-    encode); `"reencode"` also encodes every text part on its own and compares ids. The
-    roundtrip uses one `decode_batch`, or for big batches the tokenizer's byte table.
+
+def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *, count_tolerance: float = 0.02,
+                  seam_check: str = "offsets", append_guard: bool = False, count_offset: int = 0,
+                  reasoning_offset: int | None = 0) -> list[Rebuilt]:
+    """Rebuild, verify and grade many turns with one batched encode.
+
+    `seam_check="offsets"` proves the structural tokens whole from the whole encoding's
+    offsets (no second encode); `"reencode"` also encodes every text part on its own and
+    compares ids. The roundtrip uses one `decode_batch`, or for big batches the tokenizer's
+    byte table. Turns with per-token provider output (`logprobs`) take the ids of the spans
+    those tokens spell from the provider (`provider_tokens.span_ids`) and encode only the
+    rest. Each result is graded against `count_offset` / `reasoning_offset` (the run stage
+    grades again with the offsets it calibrates).
     """
     if seam_check not in ("offsets", "reencode"):
         raise ValueError(f"seam_check must be 'offsets' or 'reencode', got {seam_check!r}")
     bt = _backend(tokenizer)
-    sp = _special_texts(profile)
+    sp = _special_texts_cached(profile, bt)
     table = _byte_table(bt) if len(turns) >= BYTE_TABLE_MIN_RECORDS else None
     with _gc_paused():
-        assembled = [_assemble(t, profile, sp, append_guard) for t in turns]
-        joined = [_join(segs) for segs, _ in assembled]
+        provided = _provider_spans(turns, tokenizer, profile)
+        assembled = [_assemble(t, profile, sp, append_guard) if p is None else
+                     _assemble(t, profile, sp, append_guard, frozenset(p.ids), p.reasoning_closed)
+                     for t, p in zip(turns, provided)]
+        plain = [i for i, p in enumerate(provided) if p is None or not p.ids]
+        joined = [_join(assembled[i][0]) for i in plain]
         texts = [t for t, _ in joined]
         encs = bt.encode_batch(texts, add_special_tokens=False)
         all_ids = [e.ids for e in encs]
@@ -362,14 +564,18 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
                        for text, ids in zip(texts, all_ids)]
         part_ids: list[list[int]] | None = None
         if seam_check == "reencode":
-            flat = [s for segs, _ in assembled for s, tok in segs if tok is None]
+            flat = [s for i in plain for s, tok, _ in assembled[i][0] if tok is None]
             part_ids = [e.ids for e in bt.encode_batch_fast(flat, add_special_tokens=False)] if flat else []
-        out: list[Rebuilt] = []
+        out: list[Rebuilt | None] = [None] * len(turns)
         j = 0
-        for (segs, flags), (text, seams), turn, enc, ids, dec in zip(assembled, joined, turns, encs, all_ids, decoded):
+        for i, (text, seams), enc, ids, dec in zip(plain, joined, encs, all_ids, decoded):
+            segs, flags, spans = assembled[i]
+            turn = turns[i]
+            if provided[i] is not None and provided[i].problem:  # type: ignore[union-attr]
+                flags.append("provider_tokens_unusable")
             if part_ids is not None:
                 concat: list[int] = []
-                for s, tok in segs:
+                for s, tok, _ in segs:
                     if tok is None:
                         concat += part_ids[j]
                         j += 1
@@ -378,21 +584,92 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
                 seam_diff = _first_diff(concat, ids)
             else:
                 seam_diff = _seam_diff_by_offsets(enc, ids, seams) if seams else None
-            if seam_diff is not None:
-                flags.append("seam_mismatch")
-            roundtrip_ok = dec == text
-            if not roundtrip_ok:
-                flags.append("roundtrip_mismatch")
-            billed = turn.billed_tokens
-            diff = None
-            if billed is None:
-                flags.append("no_billed_count")
+            n_r = (_reasoning_count(enc, ids, seams, profile)
+                   if turn.billed_reasoning_tokens is not None and "reasoning" in spans and profile.is_reasoning
+                   and "prompt_closed_reasoning" not in flags else None)
+            out[i] = _verified(turn, ids, text, flags, spans, seam_diff, dec == text, n_r, [], count_tolerance)
+        rest = [i for i in range(len(turns)) if out[i] is None]
+        if rest:
+            _rebuild_with_provider_ids(rest, turns, assembled, provided, bt, out, count_tolerance, profile)
+    return [rb.grade(count_offset, reasoning_offset) for rb in out]  # type: ignore[union-attr]
+
+
+def _verified(turn: ApiTurn, ids: list[int], text: str, flags: list[str], spans: list[str], seam_diff: int | None,
+              roundtrip_ok: bool, n_reasoning: int | None, exact: list[str], count_tolerance: float) -> Rebuilt:
+    """A `Rebuilt` with its seam, roundtrip and count facts (graded by the caller)."""
+    if seam_diff is not None:
+        flags.append("structure_token_split")
+    if not roundtrip_ok:
+        flags.append("roundtrip_mismatch")
+    billed = turn.billed_tokens
+    diff = None
+    if billed is None:
+        flags.append("no_billed_count")
+    else:
+        diff = len(ids) - billed
+        if abs(diff) > count_tolerance * max(billed, 1):
+            flags.append("count_outside_tolerance")
+    br = turn.billed_reasoning_tokens
+    r_diff = n_reasoning - br if n_reasoning is not None and br is not None else None
+    return Rebuilt(ids, text, flags, seam_diff is None, seam_diff, roundtrip_ok, billed, diff, br, n_reasoning, r_diff,
+                   exact, spans)
+
+
+def _provider_spans(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile) -> list[Any]:
+    """`provider_tokens.span_ids` of each turn that carries per-token output (None for the others)."""
+    if not any(t.logprobs for t in turns):
+        return [None] * len(turns)
+    from .provider_tokens import span_ids
+
+    return [span_ids(t.logprobs, t.reasoning, t.content, profile, tokenizer) if t.logprobs else None for t in turns]
+
+
+def _rebuild_with_provider_ids(rest: list[int], turns: Sequence[ApiTurn], assembled: list[Any], provided: list[Any],
+                               bt: Any, out: list[Any], count_tolerance: float, profile: Profile) -> None:
+    """Turns with provider ids: those spans' ids as given, structural tokens placed, only other text encoded."""
+    todo = [s for i in rest for s, tok, span in assembled[i][0] if tok is None and span not in provided[i].ids]
+    encoded = iter([e.ids for e in bt.encode_batch(todo, add_special_tokens=False)] if todo else [])
+    built = []
+    for i in rest:
+        segs, flags, spans = assembled[i]
+        given = provided[i].ids
+        ids: list[int] = []
+        n_r = None
+        for s, tok, span in segs:
+            if tok is not None:
+                ids.append(tok.id)
+            elif span in given:
+                ids += given[span]
+                if span == "reasoning":
+                    n_r = len(given[span])
             else:
-                diff = len(ids) - billed
-                if abs(diff) > count_tolerance * max(billed, 1):
-                    flags.append("count_outside_tolerance")
-            out.append(Rebuilt(ids, text, flags, seam_diff is None, seam_diff, roundtrip_ok, billed, diff))
-    return out
+                part = next(encoded)
+                ids += part
+                if span == "reasoning":
+                    n_r = len(part)
+        built.append((i, ids, _join(segs)[0], n_r))
+    decoded = bt.decode_batch([b[1] for b in built], skip_special_tokens=False)
+    for (i, ids, text, n_r), dec in zip(built, decoded):
+        segs, flags, spans = assembled[i]
+        turn = turns[i]
+        if turn.billed_reasoning_tokens is None or not profile.is_reasoning or "prompt_closed_reasoning" in flags:
+            n_r = None
+        out[i] = _verified(turn, ids, text, flags, spans, None, dec == text, n_r,
+                           sorted(s for s in provided[i].ids if s in spans), count_tolerance)
+
+
+_SPECIAL_CACHE: dict[tuple[int, int], tuple[Any, Any, dict[str, Any]]] = {}
+
+
+def _special_texts_cached(profile: Profile, bt: Any) -> dict[str, Any]:
+    """`_special_texts` once per (profile, tokenizer) object pair."""
+    key = (id(profile), id(bt))
+    hit = _SPECIAL_CACHE.get(key)
+    if hit is None or hit[0] is not profile or hit[1] is not bt:
+        if len(_SPECIAL_CACHE) > 32:
+            _SPECIAL_CACHE.clear()
+        hit = _SPECIAL_CACHE[key] = (profile, bt, _special_texts(profile, bt))
+    return hit[2]
 
 
 # ---------------------------------------------------------------- exact records as an API would return them
@@ -405,7 +682,8 @@ def turns_from_exact(records: Sequence[dict[str, Any]], tokenizer: Any, profile:
     texts = output_texts_batch([r["output_ids"] for r in records], profile, tokenizer)
     return [ApiTurn(reasoning=t.reasoning, content=t.content, tool_calls=t.tool_calls,
                     finish_reason=r["finish_reason"], prompt_ids=r.get("prompt_ids"),
-                    billed_tokens=(r.get("usage") or {}).get("completion_tokens"))
+                    billed_tokens=(r.get("usage") or {}).get("completion_tokens"),
+                    billed_reasoning_tokens=(r.get("usage") or {}).get("reasoning_tokens"))
             for r, t in zip(records, texts)]
 
 
@@ -429,24 +707,40 @@ class DriftResult:
     ci95: tuple[float, float]
     first_divergence: list[int] = field(default_factory=list)
     examples: list[dict[str, Any]] = field(default_factory=list)
+    by_level: dict[str, dict[str, int]] = field(default_factory=dict)  # proof level the rebuild got -> n, exact
 
 
 def measure_drift(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Profile, *, dataset: str = "",
-                  examples: int = 3, window: int = 4, seam_check: str = "offsets") -> DriftResult:
-    """Decode exact records, split as an API would, rebuild, and compare with the true ids."""
+                  examples: int = 3, window: int = 4, seam_check: str = "offsets", rp: Any = None) -> DriftResult:
+    """Decode exact records, split as an API would, rebuild, and compare with the true ids.
+
+    The rebuilds are graded as API records would be (offsets calibrated on these records), so
+    `by_level` tells how often a rebuild at each proof level is in fact right.
+    """
     recs = [r for r in records if r.get("output_ids") is not None and r.get("finish_reason") != "error"]
     turns = turns_from_exact(recs, tokenizer, profile)
     rebuilt = rebuild_batch(turns, tokenizer, profile, seam_check=seam_check, count_tolerance=float("inf"))
+    groups: dict[tuple[str, str, str], list[Rebuilt]] = {}
+    for r, rb in zip(recs, rebuilt):
+        groups.setdefault((str(r.get("provider") or r.get("source") or "unknown"), dataset,
+                           _end_of(r.get("finish_reason"))), []).append(rb)
+    kw = ({} if rp is None else {"min_records": rp.calibration_min_records, "min_share": rp.calibration_min_share,
+                                 "max_offset": rp.max_count_offset})
+    calibrate(groups, **kw)
     truth_texts = _backend(tokenizer).decode_batch([list(r["output_ids"]) for r in recs], skip_special_tokens=False)
     exact = text_equal = 0
     divs: list[int] = []
     ex: list[dict[str, Any]] = []
+    by_level: dict[str, dict[str, int]] = {}
     for r, rb, tt in zip(recs, rebuilt, truth_texts):
         true_ids = list(r["output_ids"])
         text_equal += int(tt == rb.text)
         d = _first_diff(true_ids, rb.output_ids)
+        lv = by_level.setdefault(rb.proof_level, {"n": 0, "exact": 0})
+        lv["n"] += 1
         if d is None:
             exact += 1
+            lv["exact"] += 1
             continue
         divs.append(d)
         if len(ex) < examples:
@@ -457,7 +751,7 @@ def measure_drift(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Pr
                        "rebuilt": _token_view(tokenizer, rb.output_ids[lo : d + window]), "window_start": lo})
     n = len(recs)
     return DriftResult(dataset, n, exact, text_equal, exact / n if n else float("nan"), wilson_interval(exact, n),
-                       divs, ex)
+                       divs, ex, by_level)
 
 
 # ---------------------------------------------------------------- the stage
@@ -482,40 +776,109 @@ def _prompt_ids_for(recs: list[dict[str, Any]], tokenizer: Any, profile: Profile
     return out
 
 
-def reconstruct_records(recs: list[dict[str, Any]], tokenizer: Any, profile: Profile, rp: Any) -> list[dict[str, Any]]:
-    """Output lines of `reconstruct/<dataset>.jsonl` for API records (errors skipped)."""
+def _end_of(finish_reason: str | None) -> str:
+    return "length" if finish_reason in ("length", "abort") else "stop"
+
+
+def _mode(values: list[int]) -> tuple[int | None, float]:
+    """The most common value (the smallest on a tie) and its share, or (None, 0.0) when empty."""
+    if not values:
+        return None, 0.0
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    best = min(counts, key=lambda v: (-counts[v], abs(v), v))
+    return best, counts[best] / len(values)
+
+
+def calibrate(groups: dict[tuple[str, str, str], list[Rebuilt]], *, min_records: int = 10, min_share: float = 0.6,
+              max_offset: int = 3) -> list[dict[str, Any]]:
+    """Learn per (provider, dataset, end) how billed counts relate to rebuilt lengths; grade every record with it.
+
+    The offset is the most common `rebuilt - billed` of the group (e.g. +1 where a provider
+    does not bill the end-of-turn the rebuild appends). It is used when the group has at
+    least `min_records` billed records, the offset holds for at least `min_share` of them
+    and `|offset| <= max_offset`; otherwise the offset is 0 (billed == rebuilt). The same
+    for the reasoning span against billed reasoning tokens. Each record is graded against
+    its group's offsets; returns the calibration table (one row per group).
+    """
+    table = []
+    for (provider, dataset, end), rbs in sorted(groups.items()):
+        diffs = [rb.count_diff for rb in rbs if rb.count_diff is not None]
+        off, share = _mode(diffs)
+        ok = off is not None and len(diffs) >= min_records and share >= min_share and abs(off) <= max_offset
+        r_diffs = [rb.reasoning_diff for rb in rbs if rb.reasoning_diff is not None]
+        r_off, r_share = _mode(r_diffs)
+        r_ok = r_off is not None and len(r_diffs) >= min_records and r_share >= min_share and abs(r_off) <= max_offset
+        count_offset = int(off) if ok else 0  # type: ignore[arg-type]
+        reasoning_offset = int(r_off) if r_ok else 0  # type: ignore[arg-type]
+        for rb in rbs:
+            rb.grade(count_offset, reasoning_offset)
+        table.append({
+            "provider": provider, "dataset": dataset, "end": end, "records": len(rbs), "billed": len(diffs),
+            "count_offset": count_offset, "calibrated": ok, "mode": off, "mode_share": round(share, 4),
+            "off_offset": sum(1 for rb in rbs if "count_off_offset" in rb.flags),
+            "reasoning_billed": len(r_diffs), "reasoning_offset": reasoning_offset, "reasoning_calibrated": r_ok,
+            "reasoning_mode": r_off, "reasoning_mode_share": round(r_share, 4),
+            "reasoning_off_offset": sum(1 for rb in rbs if "reasoning_count_off_offset" in rb.flags),
+        })
+    return table
+
+
+def reconstruct_records(recs: list[dict[str, Any]], tokenizer: Any, profile: Profile, rp: Any,
+                        calibration: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Output lines of `reconstruct/<dataset>.jsonl` for API records (errors skipped).
+
+    Every record is graded against the offsets calibrated on these records per (provider,
+    dataset, end); the calibration rows are appended to `calibration` when given.
+    """
     recs = [r for r in recs if r.get("finish_reason") != "error"]
-    out: list[dict[str, Any]] = []
+    done: list[tuple[dict[str, Any], list[int], Rebuilt]] = []
     for lo in range(0, len(recs), rp.batch_size):
         chunk = recs[lo : lo + rp.batch_size]
         prompts = _prompt_ids_for(chunk, tokenizer, profile)
         turns = [ApiTurn(r.get("reasoning"), r.get("content"), r.get("tool_calls"), r["finish_reason"], p,
-                         (r.get("usage") or {}).get("completion_tokens")) for r, p in zip(chunk, prompts)]
+                         (r.get("usage") or {}).get("completion_tokens"),
+                         (r.get("usage") or {}).get("reasoning_tokens"), r.get("logprobs"))
+                 for r, p in zip(chunk, prompts)]
         rebuilt = rebuild_batch(turns, tokenizer, profile, count_tolerance=rp.count_tolerance,
                                 seam_check=rp.seam_check, append_guard=rp.append_guard)
-        for r, p, rb in zip(chunk, prompts, rebuilt):
-            p = list(p or [])
-            flags = rb.flags + (["prompt_templated_here"] if r.get("prompt_ids") is None and p else [])
-            out.append({
-                "dataset": r["dataset"], "sample_id": r["sample_id"], "source": r.get("source"),
-                "provider": r.get("provider"), "ids_exact": False, "prompt_ids": p, "output_ids": rb.output_ids,
-                "input_ids": p + rb.output_ids, "loss_mask": [0] * len(p) + [1] * len(rb.output_ids),
-                "flags": flags, "seam_ok": rb.seam_ok, "seam_first_diff": rb.seam_first_diff,
-                "roundtrip_ok": rb.roundtrip_ok, "billed_tokens": rb.billed_tokens,
-                "rebuilt_tokens": len(rb.output_ids), "count_diff": rb.count_diff,
-                "finish_reason": r["finish_reason"],
-            })
+        done += [(r, list(p or []), rb) for r, p, rb in zip(chunk, prompts, rebuilt)]
+    groups: dict[tuple[str, str, str], list[Rebuilt]] = {}
+    for r, _, rb in done:
+        groups.setdefault((str(r.get("provider") or "unknown"), str(r["dataset"]), _end_of(r["finish_reason"])),
+                          []).append(rb)
+    table = calibrate(groups, min_records=rp.calibration_min_records, min_share=rp.calibration_min_share,
+                      max_offset=rp.max_count_offset)
+    if calibration is not None:
+        calibration += table
+    out: list[dict[str, Any]] = []
+    for r, p, rb in done:
+        flags = rb.flags + (["prompt_templated_here"] if r.get("prompt_ids") is None and p else [])
+        out.append({
+            "dataset": r["dataset"], "sample_id": r["sample_id"], "source": r.get("source"),
+            "provider": r.get("provider"), "ids_exact": False, "proof_level": rb.proof_level,
+            "prompt_ids": p, "output_ids": rb.output_ids,
+            "input_ids": p + rb.output_ids, "loss_mask": [0] * len(p) + [1] * len(rb.output_ids),
+            "flags": flags, "checks": rb.checks, "token_exact_spans": rb.token_exact_spans,
+            "seam_ok": rb.seam_ok, "seam_first_diff": rb.seam_first_diff,
+            "roundtrip_ok": rb.roundtrip_ok, "billed_tokens": rb.billed_tokens,
+            "rebuilt_tokens": len(rb.output_ids), "count_diff": rb.count_diff, "count_offset": rb.count_offset,
+            "billed_reasoning_tokens": rb.billed_reasoning, "rebuilt_reasoning_tokens": rb.reasoning_rebuilt,
+            "reasoning_diff": rb.reasoning_diff, "reasoning_offset": rb.reasoning_offset,
+            "finish_reason": r["finish_reason"],
+        })
     return out
 
 
 def summarize(lines: Iterable[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
-    """Per-`key` (dataset or provider) counts: records, flags, seam/roundtrip failures, count agreement."""
+    """Per-`key` (dataset or provider) counts: records, proof levels, flags, seam/roundtrip failures, count agreement."""
     acc: dict[str, dict[str, Any]] = {}
     for ln in lines:
         k = str(ln.get(key) or "unknown")
         a = acc.setdefault(k, {"records": 0, "seam_failures": 0, "roundtrip_failures": 0, "billed_tokens": 0,
                                "rebuilt_tokens_billed": 0, "abs_count_diff": 0, "count_outside_tolerance": 0,
-                               "flags": {}})
+                               "count_off_offset": 0, "proof_levels": {}, "flags": {}})
         a["records"] += 1
         a["seam_failures"] += int(not ln["seam_ok"])
         a["roundtrip_failures"] += int(not ln["roundtrip_ok"])
@@ -523,9 +886,12 @@ def summarize(lines: Iterable[dict[str, Any]], key: str) -> dict[str, dict[str, 
             a["billed_tokens"] += ln["billed_tokens"]
             a["rebuilt_tokens_billed"] += ln["rebuilt_tokens"]
             a["abs_count_diff"] += abs(ln["count_diff"])
+        lv = ln.get("proof_level") or "unknown"
+        a["proof_levels"][lv] = a["proof_levels"].get(lv, 0) + 1
         for f in ln["flags"]:
             a["flags"][f] = a["flags"].get(f, 0) + 1
         a["count_outside_tolerance"] = a["flags"].get("count_outside_tolerance", 0)
+        a["count_off_offset"] = a["flags"].get("count_off_offset", 0)
     for a in acc.values():
         b = a["billed_tokens"]
         a["count_diff_pct"] = 100.0 * (a["rebuilt_tokens_billed"] - b) / b if b else None
@@ -561,6 +927,38 @@ class ReconstructResult:
         cols = ["provider", "records", "billed_tokens", "count_diff_pct", "abs_count_diff_pct",
                 "count_outside_tolerance"]
         return pd.DataFrame(rows, columns=cols).set_index("provider")
+
+    def level_table(self):
+        """Share of API records at each proof level per (dataset, provider), with the record count."""
+        import pandas as pd
+
+        rows = [{"dataset": r["dataset"], "provider": r["provider"], "records": r["records"],
+                 **{lv: c / r["records"] for lv, c in r["levels"].items()}}
+                for r in self.summary.get("levels_by_dataset_provider", [])]
+        cols = ["dataset", "provider", "records", *[lv for lv in reversed(PROOF_LEVELS) if lv != "engine"]]
+        df = pd.DataFrame(rows, columns=cols)
+        return df.fillna(0.0).set_index(["dataset", "provider"])
+
+    def calibration_table(self):
+        """Per (provider, dataset, end): the learned offset of billed counts and how many records are off it."""
+        import pandas as pd
+
+        cols = ["provider", "dataset", "end", "records", "billed", "count_offset", "calibrated", "mode", "mode_share",
+                "off_offset", "reasoning_billed", "reasoning_offset", "reasoning_calibrated", "reasoning_off_offset"]
+        return pd.DataFrame(self.summary.get("calibration", []), columns=cols).set_index(["provider", "dataset", "end"])
+
+    def drift_level_table(self):
+        """Drift per proof level: of the exact records rebuilt from their text, how many at each level were right."""
+        import pandas as pd
+
+        rows = []
+        for k, d in self.drift["datasets"].items():
+            for lv, c in sorted(d.get("by_level", {}).items(), key=lambda kv: -PROOF_RANK.get(kv[0], -1)):
+                lo, hi = wilson_interval(c["exact"], c["n"])
+                rows.append({"dataset": k, "proof_level": lv, "records": c["n"], "exact": c["exact"],
+                             "exact_rate": c["exact"] / c["n"] if c["n"] else None, "ci95_low": lo, "ci95_high": hi})
+        cols = ["dataset", "proof_level", "records", "exact", "exact_rate", "ci95_low", "ci95_high"]
+        return pd.DataFrame(rows, columns=cols).set_index(["dataset", "proof_level"])
 
     def flag_table(self):
         """Records per flag and dataset (API records)."""
@@ -602,6 +1000,17 @@ class ReconstructResult:
         return pd.DataFrame(rows)
 
 
+def _levels_by(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records per proof level for each (dataset, provider)."""
+    acc: dict[tuple[str, str], dict[str, int]] = {}
+    for ln in lines:
+        a = acc.setdefault((str(ln["dataset"]), str(ln.get("provider") or "unknown")), {})
+        lv = ln.get("proof_level") or "unknown"
+        a[lv] = a.get(lv, 0) + 1
+    return [{"dataset": ds, "provider": pv, "records": sum(lv.values()), "levels": lv}
+            for (ds, pv), lv in sorted(acc.items())]
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
@@ -626,6 +1035,7 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
     out_dir.mkdir(parents=True, exist_ok=True)
     write_provenance(run_dir, "02_reconstruct", params)
     all_lines: list[dict[str, Any]] = []
+    calibration: list[dict[str, Any]] = []
     drift: dict[str, Any] = {"datasets": {}}
     skipped: dict[str, int] = {}
     view = read_run(run_dir, [d.name for d in params.datasets], rebuilt=False, verdicts=False)
@@ -634,7 +1044,7 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
         api = [r for r in recs if r.get("source") == "api" and r.get("output_ids") is None]
         exact = [r for r in recs if r.get("ids_exact") and r.get("output_ids") is not None]
         skipped[d.name] = sum(1 for r in api if r.get("finish_reason") == "error")
-        lines = reconstruct_records(api, tokenizer, profile, rp) if api else []
+        lines = reconstruct_records(api, tokenizer, profile, rp, calibration) if api else []
         target = out_dir / f"{d.name}.jsonl"
         if lines:
             _write_atomic(target, b"".join(orjson.dumps(ln) + b"\n" for ln in lines))
@@ -643,7 +1053,7 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
         all_lines += lines
         if rp.drift and exact:
             dr = measure_drift(exact, tokenizer, profile, dataset=d.name, examples=rp.drift_examples,
-                               seam_check=rp.seam_check)
+                               seam_check=rp.seam_check, rp=rp)
             drift["datasets"][d.name] = dr.__dict__ | {"ci95": list(dr.ci95)}
     tot_n = sum(v["n"] for v in drift["datasets"].values())
     tot_k = sum(v["exact"] for v in drift["datasets"].values())
@@ -652,7 +1062,8 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
     summary = {"profile": profile.name, "api_records": len(all_lines), "errors_skipped": skipped,
                "datasets": summarize(all_lines, "dataset"), "providers": summarize(all_lines, "provider"),
                "overall": summarize(({**ln, "all": "all"} for ln in all_lines), "all").get("all"),
-               "flags_meaning": FLAGS, "params": rp.model_dump(mode="json")}
+               "flags_meaning": FLAGS, "proof_levels_meaning": PROOF_MEANING, "calibration": calibration,
+               "levels_by_dataset_provider": _levels_by(all_lines), "params": rp.model_dump(mode="json")}
     _write_atomic(out_dir / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _write_atomic(out_dir / "drift.json", orjson.dumps(drift, option=orjson.OPT_INDENT_2))
     return ReconstructResult(run_dir, summary, drift, time.perf_counter() - t0)
@@ -665,14 +1076,16 @@ def synthetic_api_record(dataset: str, sample_id: int | str, *, reasoning: str |
                          tool_calls: list[dict[str, Any]] | None = None, finish_reason: str = "stop",
                          completion_tokens: int | None = None, provider: str | None = "synthetic",
                          profile: str = "qwen3", prompt_ids: list[int] | None = None,
-                         messages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                         messages: list[dict[str, Any]] | None = None, reasoning_tokens: int | None = None,
+                         logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A journal record as the `openai` backend writes it: text fields and usage, no output ids."""
-    return {
+    extra = {"logprobs": logprobs} if logprobs is not None else {}
+    return extra | {
         "dataset": dataset, "sample_id": sample_id, "source": "api", "model": "synthetic", "profile": profile,
         "messages": messages or [{"role": "user", "content": f"question {sample_id}"}], "prompt_ids": prompt_ids,
         "output_ids": None, "ids_exact": False, "reasoning": reasoning, "content": content,
         "tool_calls": tool_calls, "finish_reason": finish_reason,
-        "usage": {"completion_tokens": completion_tokens}, "provider": provider,
+        "usage": {"completion_tokens": completion_tokens, "reasoning_tokens": reasoning_tokens}, "provider": provider,
     }
 
 

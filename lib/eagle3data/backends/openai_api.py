@@ -3,7 +3,10 @@
 Requests carry the prompt's `messages` (and `tools` where the dataset has them), sampling,
 `reasoning` and `provider` settings from params. Records keep what the API returned as text
 (`reasoning`, `content`, `tool_calls`), with `provider`, finish reasons, generation id,
-usage (reasoning and cached tokens) and `usage.cost` as `cost_usd`. `prompt_ids` is the
+usage (reasoning and cached tokens) and `usage.cost` as `cost_usd`; with
+`generate.openai.logprobs`, the choice's `logprobs` as returned (OpenAI shape: `content` /
+`refusal` lists of `{token, logprob, bytes, top_logprobs}`; no list for reasoning in either
+the OpenAI or the OpenRouter schema). `prompt_ids` is the
 locally templated prompt; `output_ids` stays null until 02_reconstruct rebuilds it.
 The API key is read from the environment variable named in params and only ever sent in
 the Authorization header.
@@ -19,6 +22,7 @@ import orjson
 
 from ..profiles import Profile
 from .engine import GenerateError, Job, ResponseError, error_message, record_dict
+from ..turns import api_messages
 
 FINISH = {"stop": "stop", "tool_calls": "stop", "function_call": "stop", "end_turn": "stop", "length": "length",
           "max_tokens": "length", "content_filter": "abort", "error": "error"}
@@ -53,10 +57,14 @@ class OpenAIBackend:
             base["min_p"] = s.min_p
         if self.o.reasoning is not None:
             base["reasoning"] = self.o.reasoning.model_dump(exclude_none=True)
-        if self.o.provider is not None:
-            prov = self.o.provider.model_dump(exclude_none=True)
-            if prov:
-                base["provider"] = prov
+        prov = self.o.provider.model_dump(exclude_none=True) if self.o.provider is not None else {}
+        if self.o.logprobs:  # per-token output for 02 (proof level `token`); only providers that return it
+            base["logprobs"] = True
+            if self.o.top_logprobs is not None:
+                base["top_logprobs"] = self.o.top_logprobs
+            prov["require_parameters"] = True
+        if prov:
+            base["provider"] = prov
         if self.o.check_credit:  # OpenRouter: report cost in usage
             base["usage"] = {"include": True}
         self.base = base
@@ -99,7 +107,7 @@ class OpenAIBackend:
 
     def build(self, jobs: Sequence[Job]) -> bytes:
         (job,) = jobs
-        body = dict(self.base, messages=job.messages)
+        body = dict(self.base, messages=api_messages(job.messages))  # earlier turns' reasoning as `reasoning`
         if job.tools:
             body["tools"] = job.tools
         return orjson.dumps(body)
@@ -157,6 +165,8 @@ class OpenAIBackend:
             generation_id=obj.get("id"), latency_s=round(latency_s, 4), error=str(error) if error else None,
             api_finish_reason=raw_finish, api_model=obj.get("model"),
         )
+        if self.o.logprobs:  # kept as the API returned it (null when the provider sent none)
+            rec["logprobs"] = ch.get("logprobs")
         if flags:
             rec["flags"] = flags
         return [rec]
