@@ -2,7 +2,8 @@
 
 Both peers are installed by the Makefile (`--no-deps`, plus the few packages their data
 modules import); nothing is installed here. Their data modules import without CUDA: no
-stub is needed. The run is the ci run (SmolLM2 embedded, 4 samples), extracted by 04 twice:
+stub for the loaders. For the one CPU training step of SpecForge's draft, its loss module's
+CUDA-only `import triton` is stubbed (see `_import_specforge_eagle3`). The run is the ci run (SmolLM2 embedded, 4 samples), extracted by 04 twice:
 once in SpecForge's layout and once in speculators' (both final states stored); each
 trainer's hand-off from its own layout hardlinks 04's files, from the other converts.
 
@@ -221,3 +222,122 @@ def test_04_records_its_final_state_and_refuses_a_store_of_another_kind(stores, 
         HO.write_handoff(p, read_mix(res.hidden_dir).samples, tmp_path / "sf", "specforge")
     with pytest.raises(HiddenError, match="stored as layout 'shards' with states"):
         run_extract(load_params(REPO / "params" / "ci.yaml", over), progress=False, model=model)
+
+
+@pytest.fixture
+def cpu_eager():
+    """torch.compile as a no-op: SpecForge compiles helpers of its step, which on CPU costs minutes, not seconds."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+def _import_specforge_eagle3(monkeypatch):
+    """SpecForge's EAGLE-3 model module, importing `specforge.core.loss` past its CUDA-only `import triton`.
+
+    The stub is a module named `triton` present only while that one module imports (torch must
+    not see it afterwards), and the loss's Triton kernel is replaced by SpecForge's own
+    reference implementation of the same loss in that module (`_compute_loss`), uncompiled.
+    """
+    import sys
+    import types
+
+    if "specforge.core.loss" not in sys.modules:
+        torch.compile(dynamic=None)(lambda x: x)  # torch settles its compiler stack (no triton) first
+        tri, tl = types.ModuleType("triton"), types.ModuleType("triton.language")
+        tri.jit = lambda f=None, **kw: f if f is not None else (lambda g: g)
+        tri.language, tl.__getattr__ = tl, (lambda name: object)
+        monkeypatch.setitem(sys.modules, "triton", tri)
+        monkeypatch.setitem(sys.modules, "triton.language", tl)
+        import specforge.core.loss  # noqa: F401
+
+        monkeypatch.delitem(sys.modules, "triton")
+        monkeypatch.delitem(sys.modules, "triton.language")
+    import specforge.algorithms.eagle3.model as sfm
+    import specforge.core.loss as sfl
+
+    ref = getattr(sfl._compute_loss, "_torchdynamo_orig_callable", sfl._compute_loss)
+    monkeypatch.setattr(sfm, "LogSoftmaxLoss", types.SimpleNamespace(apply=ref))
+    return sfm
+
+
+def _trainable(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+
+
+def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model, cpu_eager, monkeypatch):
+    from transformers import LlamaConfig
+
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.training.strategies.base import Eagle3TrainStrategy
+
+    from eagle3data.models import resolve_model_path
+
+    sfm = _import_specforge_eagle3(monkeypatch)
+    p, res, mix, exp = stores["specforge"]
+    out = p.run_dir / "export" / "specforge"
+    tc = model.config
+    cfg = LlamaConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                      num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
+                      num_key_value_heads=tc.num_key_value_heads, max_position_embeddings=2048,
+                      rms_norm_eps=tc.rms_norm_eps, pad_token_id=0, tie_word_embeddings=False)
+    cfg.draft_vocab_size = 64
+    draft = LlamaForCausalLMEagle3(cfg, attention_backend="sdpa")
+    draft.load_vocab_mapping(str(out / "vocab_mapping.pt"))  # our vocab_mapping.pt, by its own loader
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    draft.freeze_embedding()
+    head = TargetHead(str(resolve_model_path(p.model.path)))
+    with torch.no_grad():
+        head.fc.weight.copy_(model.lm_head.weight)
+    head.freeze_weights()
+    eagle = sfm.OnlineEagle3Model(draft, length=2, attention_backend="sdpa")
+    strategy = Eagle3TrainStrategy(eagle, target_head=head.eval())
+    ds = specforge_pre.build_offline_eagle3_dataset(str(out / "features"), max_len=4096)
+    item = min((ds[i] for i in range(len(ds))), key=lambda x: x["input_ids"].shape[1])
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in item.items()}  # float32 on CPU
+    batch = TrainBatch(sample_ids=["0"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"})
+    before = _trainable(eagle)
+    opt = torch.optim.AdamW([q for q in eagle.parameters() if q.requires_grad], lr=1e-3)
+    step = strategy.forward_loss(batch)
+    step.loss.backward()
+    opt.step()
+    assert torch.isfinite(step.loss) and step.loss > 0
+    after = _trainable(eagle)
+    assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before) > 0
+
+
+def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_eager):
+    import numpy as np
+    from transformers import AutoConfig
+
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    from eagle3data.models import resolve_model_path
+
+    p, res, mix, exp = stores["speculators"]
+    out = p.run_dir / "export" / "speculators"
+    mdir = str(resolve_model_path(p.model.path))
+    vc = AutoConfig.from_pretrained(mdir)
+    vc.num_hidden_layers = 1  # the draft's own depth (speculators' default: one layer)
+    d2t, t2d = (torch.from_numpy(np.load(out / f"{x}-64.npy")) for x in ("d2t", "t2d"))
+    draft = Eagle3DraftModel.from_training_args(
+        vc, t2d=t2d, d2t=d2t, verifier_name_or_path=mdir, draft_vocab_size=64, norm_before_residual=False,
+        ttt_steps=2, draft_attn_impl="sdpa", target_layer_ids=[1, 14, 26])  # loads verifier norm + lm_head itself
+    ds = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    i = int(np.argmin(ds.approx_lengths))
+    batch = CollateFn(max_len=int(ds.approx_lengths[i]), hidden_size=vc.hidden_size, dtype=torch.float32)([ds[i]])
+    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=2, loss_fn="kl_div", loss_implementation="eager",
+                                                    ttt_step_loss_decay=1.0)  # "fused" needs Triton
+    before = _trainable(draft)
+    opt = torch.optim.AdamW([q for q in draft.parameters() if q.requires_grad], lr=1e-3)
+    _, loss, _ = draft(**{k: v for k, v in batch.items() if k != "lengths"}, **kwargs)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and loss > 0
+    after = _trainable(draft)
+    assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before) > 0
