@@ -14,7 +14,9 @@
 # %% [markdown]
 # # 04 · Extract hidden states
 # Builds the training mix, then stores the target's EAGLE-3 states for every token of every
-# mix sample: the outputs of three decoder layers (profile rule) and the final normed state.
+# mix sample: the outputs of three decoder layers (profile rule) and the final state
+# (`hidden.final_state`: the last layer's pre-norm output for speculators, the post-norm state for
+# SpecForge, or both), in shards or in a trainer's own per-sample files (`hidden.layout`).
 #
 # **Reads:** `outputs/<run>/records/*.jsonl` (01), `reconstruct/<dataset>.jsonl` (02, rebuilt ids of
 # API records), `audit/verdicts.jsonl` (03; when absent no audit filter is applied, and the
@@ -63,7 +65,8 @@ mix.dropped_table()
 model = load_extract_model(P)
 layers = layer_plan(P, model.config)
 print(f"{layers.num_layers} decoder layers: HF hidden_states index {list(layers.hf_indices)} "
-      f"= outputs of layers {list(layers.layer_outputs)}, then the final normed state")
+      f"= outputs of layers {list(layers.layer_outputs)}, then the final state: {P.hidden.final_state} "
+      f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {P.hidden.layout}")
 
 # %% [markdown]
 # ## 3. Size and time estimate (the run refuses to start if the disk lacks room)
