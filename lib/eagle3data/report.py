@@ -232,8 +232,8 @@ def check_matrix_html(result: Any) -> HTMLBlock:
 
     Columns are the checks that failed (or were not run) in some group; a cell is `FAIL k/n (r%)`,
     `0/n` beside a failure elsewhere, `not run`, or blank (n/a). The last column bounds every
-    other applicable check of the group at once: all passed, the weakest bound `<b%` from the
-    smallest n. The table scrolls sideways when it is wider than the page.
+    other applicable check of the group at once: `N passed; weakest bound 0/n (<b%)`, from the
+    check with the smallest n. The table scrolls sideways when it is wider than the page.
     """
     import html
 
@@ -266,7 +266,7 @@ def check_matrix_html(result: Any) -> HTMLBlock:
         if len(rest):
             weakest = rest.sort_values("applicable").iloc[0]
             n = int(weakest["applicable"])
-            cells.append(f"{len(rest)} pass, each 0/≥{n} (<{weakest['upper95']:.1%})")
+            cells.append(f"{len(rest)} passed; weakest bound 0/{n} (<{weakest['upper95']:.1%})")
         else:
             cells.append("")
         rows.append(list(key) + [int(g["records"].max())] + cells)
