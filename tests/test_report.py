@@ -151,3 +151,14 @@ def test_plot_legends_outside_and_integer_count_ticks(tmp_path, fn):
     for ax in fig.axes:
         ticks = (ax.get_yticks() if count_axes[fn] == "y" else ax.get_xticks())
         assert all(float(t).is_integer() for t in ticks), (fn, ticks)
+
+
+def test_superseded_lines_table(tmp_path):
+    from eagle3data.report import superseded_html
+
+    err = {"dataset": "d", "sample_id": 1, "source": "local", "finish_reason": "error", "error": "HTTP 502"}
+    res = _result(tmp_path, [err, _rec(1, [5, 6, 2]), _rec(2, [5, 7, 2])])
+    html = superseded_html(res).html
+    assert "Superseded journal lines (1)" in html and "records/d.jsonl" in html and str(tmp_path) not in html
+    assert res.summary()["records_failed"] == 0  # a retried error is not a failure
+    assert superseded_html(_result(tmp_path / "b", [_rec(1, [5, 6, 2])])).html == ""
