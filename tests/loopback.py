@@ -437,7 +437,7 @@ class LoopbackServer:
                                   "function": {"name": name, "arguments": "{}"}}]
             finish = "tool_calls"
         prompt_chars = sum(len(m.get("content") or "") for m in (req or {}).get("messages", []))
-        pt, rt, ct = prompt_chars // 4 + 8, len(reasoning) // 4, (len(reasoning) + len(content)) // 4
+        pt, rt, ct = prompt_chars // 4 + 8, len(reasoning or "") // 4, (len(reasoning or "") + len(content or "")) // 4
         cost = round((pt + ct) * self.price, 8)
         self.spent += cost
         pt, ct = pt, scripted.get("completion_tokens", ct)

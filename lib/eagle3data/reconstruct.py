@@ -67,7 +67,8 @@ FLAGS: dict[str, str] = {
                              "mismatch; cannot happen on the shipped Qwen3/SmolLM2/Kimi vocabularies)",
     "roundtrip_mismatch": "decode(ids) differs from the assembled text (e.g. NFC normalization): the ids do not spell it",
     "no_billed_count": "the API billed no completion_tokens to compare with",
-    "count_outside_tolerance": "rebuilt length differs from billed tokens beyond reconstruct.count_tolerance",
+    "count_outside_tolerance": "rebuilt length differs from billed tokens (+ the calibrated offset) by more than "
+                               "reconstruct.count_tolerance of them",
     "count_off_offset": "rebuilt length minus billed completion tokens is not the calibrated offset of its "
                         "(provider, dataset, end): a token more or less than the model produced",
     "reasoning_count_off_offset": "rebuilt reasoning span minus billed reasoning tokens is not the calibrated offset",
@@ -100,7 +101,7 @@ _RISKY_FLAGS = frozenset({
     "content_has_added_token_text", "reasoning_has_added_token_text", "content_has_replacement_char",
     "reasoning_has_replacement_char", "structure_token_split", "reasoning_after_closed_prompt",
 })
-_CALIBRATED_FLAGS = ("count_off_offset", "reasoning_count_off_offset")
+_CALIBRATED_FLAGS = ("count_outside_tolerance", "count_off_offset", "reasoning_count_off_offset")
 
 
 @dataclass
@@ -138,12 +139,15 @@ class Rebuilt:
     checks: dict[str, Any] = field(default_factory=dict)
     count_offset: int = 0
     reasoning_offset: int | None = 0
+    count_tolerance: float = 0.02
 
     def grade(self, count_offset: int = 0, reasoning_offset: int | None = 0) -> "Rebuilt":
         """Set the count flags against the offsets, the checks (named for what they prove) and the proof level."""
         fl = [f for f in self.flags if f not in _CALIBRATED_FLAGS]
         count_ok = None if self.count_diff is None else self.count_diff == count_offset
         if count_ok is False:
+            if abs(self.count_diff - count_offset) > self.count_tolerance * max(self.billed_tokens or 0, 1):
+                fl.append("count_outside_tolerance")
             fl.append("count_off_offset")
         r_ok = (None if self.reasoning_diff is None or reasoning_offset is None
                 else self.reasoning_diff == reasoning_offset)
@@ -289,16 +293,25 @@ def prompt_reasoning_state(prompt_ids: Sequence[int] | None, profile: Profile) -
 
 
 def _closed_before_cut(turn: ApiTurn, provider_closed: bool | None) -> bool:
-    """A length cut with no content: did the model close its reasoning before the cut?
+    """A length cut with no content: do the provider's own tokens show the model closed its reasoning?
 
-    The provider's own tokens decide where given; else the billed counts: more completion
-    tokens than reasoning tokens means the model emitted something after its reasoning.
-    Without either, the cut is taken to be inside the reasoning (the count check then tells).
+    Without them the cut is first taken to be inside the reasoning; `rebuild_batch` then
+    moves it after the reasoning-close when the billed counts say so (`_cut_after_close`).
     """
-    if provider_closed is not None:
-        return provider_closed
-    r, c = turn.billed_reasoning_tokens, turn.billed_tokens
-    return r is not None and c is not None and c > r
+    return bool(provider_closed)
+
+
+def _cut_after_close(turn: ApiTurn, n_ids: int, n_reasoning: int | None) -> bool:
+    """A cut taken to be inside the reasoning really fell right after the reasoning-close.
+
+    True when the API billed exactly one completion token more than the rebuild holds and
+    the billed reasoning tokens equal the rebuilt reasoning span: the extra token is not
+    reasoning, and the only token the model can emit there is the close. Without the billed
+    reasoning tokens this cannot be told from a resplit inside the reasoning (the count
+    check then flags the record).
+    """
+    c, r = turn.billed_tokens, turn.billed_reasoning_tokens
+    return c is not None and r is not None and n_reasoning is not None and c - n_ids == 1 and n_reasoning == r
 
 
 # A segment of an assembled turn: (text, structural token or None, span: "reasoning"/"content"/"tools"/None)
@@ -587,7 +600,13 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
             n_r = (_reasoning_count(enc, ids, seams, profile)
                    if turn.billed_reasoning_tokens is not None and "reasoning" in spans and profile.is_reasoning
                    and "prompt_closed_reasoning" not in flags else None)
-            out[i] = _verified(turn, ids, text, flags, spans, seam_diff, dec == text, n_r, [], count_tolerance)
+            ok = dec == text
+            if "truncated_in_reasoning" in flags and _cut_after_close(turn, len(ids), n_r):
+                rc = profile.reasoning_close
+                assert rc is not None
+                ids, text = ids + [rc.id], text + rc.text  # decode(ids + [close]) == decode(ids) + its text
+                flags[flags.index("truncated_in_reasoning")] = "length_cut_after_reasoning"
+            out[i] = _verified(turn, ids, text, flags, spans, seam_diff, ok, n_r, [], count_tolerance)
         rest = [i for i in range(len(turns)) if out[i] is None]
         if rest:
             _rebuild_with_provider_ids(rest, turns, assembled, provided, bt, out, count_tolerance, profile)
@@ -606,13 +625,11 @@ def _verified(turn: ApiTurn, ids: list[int], text: str, flags: list[str], spans:
     if billed is None:
         flags.append("no_billed_count")
     else:
-        diff = len(ids) - billed
-        if abs(diff) > count_tolerance * max(billed, 1):
-            flags.append("count_outside_tolerance")
+        diff = len(ids) - billed  # flagged by `grade`, against the offset (count_outside_tolerance, count_off_offset)
     br = turn.billed_reasoning_tokens
     r_diff = n_reasoning - br if n_reasoning is not None and br is not None else None
     return Rebuilt(ids, text, flags, seam_diff is None, seam_diff, roundtrip_ok, billed, diff, br, n_reasoning, r_diff,
-                   exact, spans)
+                   exact, spans, count_tolerance=count_tolerance)
 
 
 def _provider_spans(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile) -> list[Any]:
