@@ -287,11 +287,13 @@ def _write_parquet(path: Path, samples: list[Sample]) -> None:
 
 
 def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, counts: np.ndarray,
-           vocab: DraftVocab) -> dict[str, Any]:
+           vocab: DraftVocab, params: Any = None) -> dict[str, Any]:
     """Write one trainer format of the selection plus its draft vocabulary into `out`; returns the manifest.
 
     `counts` and `vocab` are the selection's output-token counts and draft vocabulary,
-    computed once for every format (`run_export`).
+    computed once for every format (`run_export`). With `params` and 04's stored hidden states,
+    the trainer's own layout is written too (`handoff.write_handoff`: hardlinked when
+    `hidden.layout` is this trainer's, else converted with a disk check).
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
@@ -322,6 +324,11 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
         np.save(out / "t2d.npy", vocab.t2d)
         files["d2t.npy"] = "draft-to-target offsets, int64"
         files["t2d.npy"] = "target-in-draft membership, bool"
+    handoff: dict[str, Any] | str = "not written: no params given"
+    if params is not None:
+        handoff = _handoff(params, sel, out, fmt, vocab)
+        if isinstance(handoff, dict):
+            files.update({f"{k} (trainer layout)": v for k, v in handoff["files"].items()})
     manifest = {
         "format": fmt,
         "run_dir": str(run_dir),
@@ -340,6 +347,8 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
         "skipped_samples": sel.skipped,
         "draft_vocab": vocab.summary(),
         "files": files,
+        "handoff": handoff if isinstance(handoff, str) else {k: handoff[k] for k in (
+            "plan", "linked_files", "converted_files", "converted_bytes", "rows", "final_state", "store_layout")},
     }
     (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
@@ -408,6 +417,17 @@ class ExportResult:
         return fig
 
 
+def _handoff(params: Any, sel: Selection, out: Path, fmt: str, vocab: DraftVocab) -> dict[str, Any] | str:
+    """The trainer's own layout of the mix, or why it is not written (04 has stored no hidden states)."""
+    from .handoff import write_handoff
+    from .hidden import INDEX_FILE
+    from .mix import hidden_dir
+
+    if not (hidden_dir(params) / INDEX_FILE).exists():
+        return "not written: 04 has stored no hidden states (no hidden/index.parquet); token files only"
+    return write_handoff(params, sel.samples, out, fmt, vocab=vocab)
+
+
 def _counts_and_vocab(params: Any, sel: Selection) -> tuple[np.ndarray, DraftVocab]:
     """The selection's output-token counts and its draft vocabulary: computed once per export."""
     from .profiles import get_profile
@@ -416,15 +436,17 @@ def _counts_and_vocab(params: Any, sel: Selection) -> tuple[np.ndarray, DraftVoc
     return counts, build_draft_vocab(counts, params.export.draft_vocab_size)
 
 
-def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] = FORMATS) -> ExportResult:
-    """Export 04's mix in each format into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
+def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] | None = None) -> ExportResult:
+    """Export 04's mix in each format (`export.formats`) into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
     from .provenance import write_provenance
 
     run_dir = params.run_dir
     out = Path(out) if out else run_dir / "export"
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
-    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab) for fmt in formats}  # type: ignore[arg-type]
+    formats = list(formats if formats is not None else params.export.formats)
+    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params)  # type: ignore[arg-type]
+                 for fmt in formats}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
     return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
@@ -436,7 +458,7 @@ def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
-    return export(params.run_dir, out, fmt, sel, counts, vocab)  # type: ignore[arg-type]
+    return export(params.run_dir, out, fmt, sel, counts, vocab, params)  # type: ignore[arg-type]
 
 
 def export_cli(run: str, *, fmt: str, out: str) -> int:

@@ -42,6 +42,7 @@ import numpy as np
 import orjson
 
 from .hidden import HiddenReader, handoff_bytes_per_token, write_sample_file
+from .reader import SampleKey
 
 FORMATS = ("specforge", "speculators")
 NEEDS = {"specforge": "post_norm", "speculators": "pre_norm"}
@@ -79,7 +80,8 @@ class HandoffPlan:
 
 
 def _key(dataset: Any, sample_id: Any) -> str:
-    return f"{dataset}/{sample_id}"
+    """The one key of a sample (`reader.SampleKey`), as the hidden index names it."""
+    return str(SampleKey(str(dataset), str(sample_id)))
 
 
 def _same_fs(a: Path, b: Path) -> bool:

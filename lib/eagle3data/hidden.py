@@ -1056,7 +1056,7 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
     hdir = hidden_dir(params)
     reader = HiddenReader(hdir)
     mix = mix or read_mix(hdir)
-    sources = source_sequences(params)  # the records, through the one reader
+    sources = source_sequences(params, mix.view)  # the records, through the one reader (read once per stage)
     hsize, dtype = reader.info["hidden_size"], _torch_dtype(reader.info["dtype"])
     problems: list[dict[str, Any]] = []
 

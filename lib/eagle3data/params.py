@@ -296,6 +296,10 @@ class HiddenParams(Strict):
 
 class ExportParams(Strict):
     draft_vocab_size: int = Field(32000, gt=0, description="Size of the EAGLE-3 draft vocabulary (d2t/t2d).")
+    formats: list[Literal["specforge", "speculators"]] = Field(
+        default_factory=lambda: ["specforge", "speculators"], min_length=1,
+        description="Trainers to hand the mix to. A trainer whose layout is hidden.layout is hardlinked (no copy); "
+                    "any other is a full converted copy of the hidden states (04's estimate says how much).")
 
 
 class RunParams(Strict):
