@@ -20,7 +20,7 @@ import orjson
 import pandas as pd
 
 from .checks import (CHECK_NAMES, CHECKS, FAIL, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
-                     iter_checks, structural_checks, suffix_check, tokenizer_checks)
+                     iter_checks, on_policy_checks, structural_checks, suffix_check, tokenizer_checks)
 from .idtable import AuditInputError, IdTable, concat_tables, load_run, merge_reconstruct, read_journal, split_superseded
 from .profiles import Profile, get_profile
 from .stats import upper95
@@ -250,6 +250,7 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
     if tokenizer is not None:
         st.update(tokenizer_checks(table, profile, tokenizer, pos, roundtrip=roundtrip, progress=progress))
     st.update(cross_record_checks(table))
+    st.update(on_policy_checks(table))
     cols = {}
     for c in CHECK_NAMES:
         chk = CHECKS[c]

@@ -63,6 +63,8 @@ _CHECK_LIST = [
     Check("prompt.tools_present", "every tool of the source is named in the decoded prompt", needs_tokenizer=True),
     Check("prompt.system_present", "the source's system prompt is in the decoded prompt", needs_tokenizer=True),
     Check("prompt.retemplate", "prompt ids equal re-templating the source messages", needs_tokenizer=True),
+    Check("prompt.on_policy", "a turn's history holds the model's own journaled replies of its earlier turns, in order "
+          "(generate.turns: all), not the dataset's"),
     Check("text.roundtrip", "encode(decode(output ids)) gives the same ids", needs_tokenizer=True),
     Check("text.fields_match", "decoded reasoning/answer spans equal the record's reasoning/content",
           needs_tokenizer=True),
@@ -368,7 +370,9 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
     else:
         from .reader import supersede_rule
 
-        keys = list(zip(meta["dataset"].astype(str), meta["sample_id"].astype(str)))
+        from .idtable import meta_keys
+
+        keys = meta_keys(meta)
         is_record, d = supersede_rule(keys, meta["finish_reason"].tolist())
         done = meta["finish_reason"].isin(["stop", "length"]).to_numpy()
         dup = np.asarray(d, bool) | (~np.asarray(is_record, bool) & done)
@@ -464,6 +468,59 @@ def tokenizer_checks(table: IdTable, profile: Profile, tokenizer: Any, pos: Posi
             ok &= _norm(text.content) == _norm(content_f)
         st["text.fields_match"][i] = PASS if ok else FAIL
     return st
+
+
+def _reply_view(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """What a history's assistant message says: answer, reasoning, and each tool call (name, arguments)."""
+    calls = tuple((str((c.get("function") or {}).get("name")), str((c.get("function") or {}).get("arguments")))
+                  for c in msg.get("tool_calls") or [] if isinstance(c, dict))
+    return msg.get("content") or "", msg.get("reasoning_content"), calls
+
+
+def on_policy_checks(table: IdTable) -> dict[str, np.ndarray]:
+    """`prompt.on_policy` per record: a turn record's history (its `messages`) holds, as its assistant
+    messages in order, exactly the replies of the conversation's turns before it, as their journaled
+    records say (`turns.assistant_message` of their reasoning/content/tool_calls; 03's
+    `text.fields_match` ties those to the ids). A history with the dataset's own reply, a reply of
+    another turn, or an earlier turn without a completed record fails. n/a for records without `turn`."""
+    from .turns import assistant_message
+
+    n = len(table)
+    st = np.full(n, NA, np.int8)
+    m = table.meta
+    if n == 0 or "turn" not in m or not m["turn"].notna().any():
+        return {"prompt.on_policy": st}
+    if table.messages is None:
+        return {"prompt.on_policy": np.where(m["turn"].notna().to_numpy(), NOT_RUN, NA).astype(np.int8)}
+    fr = m["finish_reason"].tolist()
+    conv: dict[tuple[str, str], dict[int, int]] = {}
+    for i, (d, sid, t) in enumerate(zip(m["dataset"], m["sample_id"], m["turn"])):
+        if t is not None and t == t:
+            conv.setdefault((str(d), str(sid)), {})[int(t)] = i
+
+    def field(name: str, i: int) -> Any:
+        col = getattr(table, name)
+        return col[i] if col is not None else None
+
+    views: dict[int, tuple[Any, ...]] = {}
+    for turns in conv.values():
+        for t, i in turns.items():
+            hist = [x for x in table.messages[i] or [] if isinstance(x, dict) and x.get("role") == "assistant"]
+            ok = len(hist) == t
+            for k in range(t) if ok else ():
+                j = turns.get(k)
+                if j is None or fr[j] != "stop":
+                    ok = False
+                    break
+                if j not in views:
+                    views[j] = _reply_view(assistant_message({"reasoning": field("reasoning", j),
+                                                              "content": field("content", j),
+                                                              "tool_calls": field("tool_calls", j)}))
+                if _reply_view(hist[k]) != views[j]:
+                    ok = False
+                    break
+            st[i] = PASS if ok else FAIL
+    return {"prompt.on_policy": st}
 
 
 def iter_checks(profile: Profile) -> Iterable[Check]:

@@ -36,7 +36,9 @@ from .ledger import DatasetLedger, ledger_frame, provider_frame, read_ledger, wr
 from .params import RunParams
 from .profiles import get_profile
 from .prompts import Prompt, PromptDataError, PromptSet, load_datasets, template_prompt
-from .records import Journal, Record, Usage, record_key, scan_journal
+from .reader import SampleKey
+from .records import Journal, Record, Usage, scan_journal
+from .turns import Conversation
 
 # Set by `eagle3data run` for the kernel it starts: a STOP file there is that run's own stop request
 # (written on Ctrl-C before this stage got going), never a stale one to remove.
@@ -94,9 +96,11 @@ class RunPlan:
 
     ledger: dict[str, DatasetLedger]
     pending: list[tuple[Prompt, list[int] | None]]
-    done_keys: set[tuple[str, str]]
+    done_keys: set[SampleKey]
     torn_tail_bytes: dict[str, int]
     bad_lines: list[str]
+    # turns: all: each pending entry is a conversation's next turn; its Conversation by (dataset, sample_id)
+    conversations: dict[tuple[str, str], Conversation] = field(default_factory=dict)
 
 
 def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool = True) -> RunPlan:
@@ -111,7 +115,9 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
     _check_prompt_sets(params, sets)
     ledger: dict[str, DatasetLedger] = {}
     pending: list[tuple[Prompt, list[int] | None]] = []
-    done_keys: set[tuple[str, str]] = set()
+    done_keys: set[SampleKey] = set()
+    convs: dict[tuple[str, str], Conversation] = {}
+    all_turns = params.generate.turns == "all"
     torn: dict[str, int] = {}
     bad: list[str] = []
     budgets = {d.name: d.token_budget for d in params.datasets}
@@ -119,8 +125,8 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
     for name, ps in sets.items():
         led = ledger[name] = DatasetLedger(planned=len(ps.prompts), rejected_prompt_lines=list(ps.skipped),
                                            budget_tokens=budgets.get(name))
-        plan_keys = {(name, str(p.sample_id)) for p in ps.prompts}
-        final: dict[tuple[str, str], dict[str, Any]] = {}
+        plan_keys = {SampleKey(name, p.sample_id) for p in ps.prompts}
+        final: dict[SampleKey, dict[str, Any]] = {}
         scan = scan_journal(run_dir / "records" / f"{name}.jsonl", repair=True)
         if scan.torn_tail_bytes:
             torn[name] = scan.torn_tail_bytes
@@ -128,8 +134,17 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
         if scan.records and not params.generate.resume:
             raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')} already holds {len(scan.records)} records "
                              "and generate.resume is false: use a new run_name (journals are never rewritten)")
+        other = next((r for r in scan.records if (r.get("turn") is None) == all_turns), None)
+        if other is not None:
+            raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')}: record {other['sample_id']!r} was generated "
+                             f"with generate.turns {'last' if all_turns else 'all'}, and this run asks for "
+                             f"{params.generate.turns}: use a new run_name (one journal, one way of generating)")
+        if all_turns:
+            _plan_conversations(params, name, ps, scan.records, led, tokenizer, profile, template, pending,
+                                done_keys, convs)
+            continue
         for r in scan.records:
-            k = record_key(r)
+            k = SampleKey.of(r)
             if k in plan_keys and (k not in final or final[k]["finish_reason"] == "error"):
                 final[k] = r
         for k, r in final.items():
@@ -142,7 +157,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 done_keys.add(k)
         led.resumed = led.done
         for p in ps.prompts:
-            if (name, str(p.sample_id)) in done_keys:
+            if SampleKey(name, p.sample_id) in done_keys:
                 continue
             if not template:
                 pending.append((p, None))
@@ -154,7 +169,54 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 led.rejected_prompt_lines.append(too_long)
                 continue
             pending.append((p, ids))
-    return RunPlan(ledger, pending, done_keys, torn, bad)
+    return RunPlan(ledger, pending, done_keys, torn, bad, convs)
+
+
+def _plan_conversations(params: RunParams, name: str, ps: PromptSet, records: list[dict[str, Any]],
+                        led: DatasetLedger, tokenizer: Any, profile: Any, template: bool,
+                        pending: list[tuple[Prompt, list[int] | None]], done_keys: set[SampleKey],
+                        convs: dict[tuple[str, str], Conversation]) -> None:
+    """turns: all: replay each conversation's journaled turns in order (the history of the next turn is
+    rebuilt from them); its next turn is pending unless it ended. A turn's record is its first completed
+    line (an error is replaced by a later line of its turn); a history is never built from an error:
+    with retry_errors the error turn is pending again, else the conversation ended there."""
+    led.planned = 0
+    led.conversations = len(ps.prompts)
+    by_turn: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in records:
+        turns = by_turn.setdefault(str(r["sample_id"]), {})
+        t = int(r["turn"])
+        if t not in turns or turns[t]["finish_reason"] == "error":
+            turns[t] = r
+    for p in ps.prompts:
+        conv = Conversation(p, params.generate.max_turns)
+        recs = by_turn.get(str(p.sample_id), {})
+        while conv.turn in recs and conv.ended is None:
+            r = recs[conv.turn]
+            led.add_record(r)
+            if r["finish_reason"] == "error" and params.generate.retry_errors:
+                led.remove_error(r)  # sent again: its new line supersedes the error
+                break
+            led.planned += 1
+            done_keys.add(SampleKey.of(r))
+            conv.advance(r)
+        if conv.ended is not None:
+            led.end_conversation(conv.ended)
+            continue
+        led.planned += 1
+        tp = conv.turn_prompt()
+        ids = None
+        if template:
+            ids = template_prompt(tokenizer, tp, profile)
+            too_long = _too_long(params, name, f"{p.sample_id}#{conv.turn}", ids)
+            if too_long:
+                led.skip(p.sample_id)
+                led.rejected_prompt_lines.append(too_long)
+                led.end_conversation("too_long")
+                continue
+        pending.append((tp, ids))
+        convs[(name, str(p.sample_id))] = conv
+    led.resumed = led.done
 
 
 def _check_prompt_sets(params: RunParams, sets: dict[str, PromptSet]) -> None:
@@ -316,6 +378,108 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     return new, "cancelled" if stop.cancelled else "stopped", stop.reason
 
 
+def _end_turn(conv: Conversation, rec: dict[str, Any], led: DatasetLedger) -> str | None:
+    """Take a turn's record into its conversation; when that ends it, the reason goes into the record."""
+    end = conv.advance(rec)
+    if end is not None:
+        rec["conversation_end"] = end
+        led.end_conversation(end)
+    return end
+
+
+def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
+                     progress: bool) -> tuple[int, str, str | None]:
+    """turns: all on the local backend: batches of conversations' next turns; a conversation's next turn
+    is templated from its history once the turn before it is journaled. (new records, status, stop reason)"""
+    from collections import deque
+
+    from .backends.local import LocalBackend
+    from .models import model_for
+    from .progress import Progress, generate_figures, generate_line
+
+    run_dir = params.run_dir
+    ledger = plan.ledger
+    queue = deque(plan.pending)
+    budgets = {d.name: d.token_budget for d in params.datasets}
+    counts = params.generate.budget_counts
+    new = 0
+    if not queue:
+        return 0, "finished", None
+    model = model or model_for(params)
+    backend = LocalBackend(model, tokenizer, profile, params.generate.sampling, params.generate.batch_size)
+    journals: dict[str, Journal] = {}
+    live = Progress(progress, run_dir=run_dir, stage="01_generate")
+    t_start = time.monotonic()
+    stop = _LocalStop(run_dir / "STOP")
+
+    def show(final: bool = False) -> None:
+        f = generate_figures(ledger, counts=counts, elapsed_s=time.monotonic() - t_start, session_done=new,
+                             stop_reason=stop.reason)
+        live.update(generate_line(f, final=final), final=final, figures=f)
+
+    show()
+    bs = params.generate.batch_size
+    chunk: list[tuple[Prompt, list[int], Conversation]] = []
+    try:
+        with _stop_signals(stop.on_signal):
+            while queue and not stop.requested():
+                chunk = []
+                while queue and len(chunk) < bs:
+                    p, ids = queue.popleft()
+                    conv = plan.conversations[(p.dataset, str(p.sample_id))]
+                    b = budgets.get(p.dataset)
+                    if b is not None and ledger[p.dataset].tokens(counts) >= b:
+                        ledger[p.dataset].budget_reached = True
+                        ledger[p.dataset].skip(p.sample_id)
+                        ledger[p.dataset].end_conversation("budget")
+                        continue
+                    chunk.append((p, ids, conv))
+                if not chunk:
+                    continue
+                stop.in_batch = True
+                results = backend.generate_batch([ids for _, ids, _ in chunk])
+                stop.in_batch = False
+                for (p, ids, conv), res in zip(chunk, results):
+                    led = ledger[p.dataset]
+                    rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
+                    rec["turn"] = conv.turn
+                    end = _end_turn(conv, rec, led)
+                    j = journals.get(p.dataset) or journals.setdefault(
+                        p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
+                    j.write(rec)
+                    led.add_record(rec)
+                    new += 1
+                    if end is not None:
+                        continue
+                    tp = conv.turn_prompt()
+                    nids = template_prompt(tokenizer, tp, profile)
+                    led.planned += 1
+                    too_long = _too_long(params, p.dataset, f"{p.sample_id}#{conv.turn}", nids)
+                    if too_long:
+                        led.skip(p.sample_id)
+                        led.rejected_prompt_lines.append(too_long)
+                        led.end_conversation("too_long")
+                        continue
+                    queue.append((tp, nids))
+                chunk = []
+                write_ledger(run_dir, ledger, "running", {"source": "local"})
+                show()
+    except KeyboardInterrupt:
+        if not stop.cancelled:
+            raise
+        for p, _, _ in chunk:  # the batch that was dropped
+            ledger[p.dataset].cancel(p.sample_id)
+    finally:
+        for j in journals.values():
+            j.close()
+    for p, _ in queue:  # never sent: a stop came first (the conversation goes on at resume)
+        ledger[p.dataset].skip(p.sample_id)
+    show(final=True)
+    if stop.reason is None:
+        return new, "finished", None
+    return new, "cancelled" if stop.cancelled else "stopped", stop.reason
+
+
 def _reserve(params: RunParams, ids: list[int]) -> int:
     """Tokens a request reserves against its dataset's budget while in flight."""
     g = params.generate
@@ -325,8 +489,11 @@ def _reserve(params: RunParams, ids: list[int]) -> int:
 def _jobs(params: RunParams, plan: RunPlan) -> list:
     from .backends.engine import Job
 
-    jobs = [Job(p.dataset, p.sample_id, p.messages, p.tools, ids, reserve=_reserve(params, ids) if ids else 0,
-                prompt=p) for p, ids in plan.pending]
+    jobs = []
+    for p, ids in plan.pending:
+        conv = plan.conversations.get((p.dataset, str(p.sample_id)))
+        jobs.append(Job(p.dataset, p.sample_id, p.messages, p.tools, ids, reserve=_reserve(params, ids) if ids else 0,
+                        prompt=p, turn=None if conv is None else conv.turn, conversation=conv))
     random.Random(f"dispatch:{params.generate.sampling.seed}").shuffle(jobs)  # a budget cut leaves a random subset
     return jobs
 
@@ -344,11 +511,27 @@ def _preparer(params: RunParams, tokenizer: Any, profile: Any):
 
     def prepare(job: Any) -> None:
         ids = template_prompt(tokenizer, job.prompt, profile)
-        job.rejected = _too_long(params, job.dataset, job.sample_id, ids)
+        job.rejected = _too_long(params, job.dataset, job.sample_id if job.turn is None else f"{job.sample_id}#{job.turn}",
+                                 ids)
         if job.rejected is None:
             job.prompt_ids, job.reserve = ids, _reserve(params, ids)
 
     return prepare
+
+
+def _follower(ledger: dict[str, DatasetLedger]):
+    """The engine's `follow` (turns: all): a journaled turn's record -> its conversation's next turn, or None."""
+    from .backends.engine import Job
+
+    def follow(job: Any, rec: dict[str, Any]) -> Any:
+        conv = job.conversation
+        if _end_turn(conv, rec, ledger[job.dataset]) is not None:
+            return None
+        tp = conv.turn_prompt()
+        return Job(job.dataset, job.sample_id, tp.messages, tp.tools, None, prompt=tp, turn=conv.turn,
+                   conversation=conv)
+
+    return follow
 
 
 def _run_async(coro: Any) -> Any:
@@ -393,7 +576,8 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
     engine = Engine(backend, _jobs(params, plan), base_url=base_url, settings=settings, ledger=plan.ledger,
                     journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
                     budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
-                    progress=progress, prepare=_preparer(params, tokenizer, profile))
+                    progress=progress, prepare=_preparer(params, tokenizer, profile),
+                    follow=_follower(plan.ledger) if g.turns == "all" else None)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -427,7 +611,8 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     write_ledger(run_dir, plan.ledger, "running",
                  {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
     if backend == "local":
-        new, status, reason = _run_local(params, plan, profile, tokenizer, model, progress)
+        run_local = _run_local_turns if params.generate.turns == "all" else _run_local
+        new, status, reason = run_local(params, plan, profile, tokenizer, model, progress)
         write_ledger(run_dir, plan.ledger, status, {"source": "local", "stop_reason": reason,
                                                     "torn_tail_bytes_repaired": plan.torn_tail_bytes})
         if reason and progress:

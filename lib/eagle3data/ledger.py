@@ -5,6 +5,12 @@ leaves the last good copy) and read by 03_audit. At the end of a run, for every 
 `done + errors + skipped + cancelled == planned` and `in_flight == 0`; the id lists say which
 samples were never sent (`skipped_ids`) and which were in flight when work was cut
 (`cancelled_ids`), so their lengths can be compared with the kept ones.
+
+With `generate.turns: all` the counts are of turns (one record per turn): `planned` is the turns
+reached so far (a conversation's next turn is planned when the turn before it is journaled),
+and `conversations` / `conversation_ends` count conversations and how they ended, by reason
+(done, max_turns, tool_call_mismatch, ..., budget, too_long); a conversation cut by a stop has
+no end yet (`open`: it goes on at resume).
 """
 
 from __future__ import annotations
@@ -39,6 +45,18 @@ class DatasetLedger:
     skipped_ids: list[Any] = field(default_factory=list)
     cancelled_ids: list[Any] = field(default_factory=list)
     rejected_prompt_lines: list[str] = field(default_factory=list)
+    conversations: int = 0
+    conversation_ends: dict[str, int] = field(default_factory=dict)
+
+    def end_conversation(self, reason: str) -> None:
+        """Count one conversation that ended (turns: all), by the kind of its reason (`turns.end_kind`)."""
+        kind = reason.split(":", 1)[0]
+        self.conversation_ends[kind] = self.conversation_ends.get(kind, 0) + 1
+
+    @property
+    def conversations_open(self) -> int:
+        """Conversations not ended (cut by a stop, or still running): they go on at resume."""
+        return self.conversations - sum(self.conversation_ends.values())
 
     def add_record(self, rec: dict[str, Any]) -> None:
         """Count one journaled record (done or error) into the totals and the breakdowns."""
@@ -127,6 +145,12 @@ def ledger_frame(ledger: dict[str, Any] | dict[str, DatasetLedger] | None):
     df = pd.DataFrame(rows).set_index("dataset")
     acc = df[["done", "errors", "skipped", "cancelled", "in_flight"]].fillna(0).sum(axis=1)
     df["missing"] = (df["planned"].fillna(0) - acc).astype(int)
+    convs = {name: (asdict(v) if isinstance(v, DatasetLedger) else v) for name, v in datasets.items()}
+    if any(d.get("conversations") for d in convs.values()):  # turns: all: the counts above are turns
+        df["conversations"] = [int(convs[n].get("conversations") or 0) for n in df.index]
+        df["ended"] = [sum((convs[n].get("conversation_ends") or {}).values()) for n in df.index]
+        df["ends"] = [", ".join(f"{k} {v}" for k, v in sorted((convs[n].get("conversation_ends") or {}).items()))
+                      for n in df.index]
     return df
 
 

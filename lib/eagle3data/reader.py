@@ -34,12 +34,16 @@ class SampleKey(str):
 
     A `str` (so it is the dict key, the parquet value and the trainer id as it is), with its
     two parts as attributes. Dataset names hold no `/`; a sample_id may.
+
+    A turn of a conversation regenerated turn by turn (`generate.turns: all`, a record with a
+    `turn` field) is `dataset/sample_id#turn`: each turn is its own sample (its own supersede
+    rule, its own training sequence); `sample_id` then reads `sample_id#turn`.
     """
 
     __slots__ = ()
 
-    def __new__(cls, dataset: str, sample_id: Any) -> SampleKey:
-        return super().__new__(cls, f"{dataset}/{sample_id}")
+    def __new__(cls, dataset: str, sample_id: Any, turn: int | None = None) -> SampleKey:
+        return super().__new__(cls, f"{dataset}/{sample_id}" if turn is None else f"{dataset}/{sample_id}#{int(turn)}")
 
     def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]
         return (self.dataset, self.sample_id)
@@ -54,8 +58,9 @@ class SampleKey(str):
 
     @classmethod
     def of(cls, obj: Any) -> SampleKey:
-        """The key of a record, verdict or rebuilt line (a dict with `dataset` and `sample_id`)."""
-        return cls(str(obj["dataset"]), str(obj["sample_id"]))
+        """The key of a record, verdict or rebuilt line (a dict with `dataset`, `sample_id`, and `turn` when a turn)."""
+        turn = obj.get("turn") if hasattr(obj, "get") else None
+        return cls(str(obj["dataset"]), str(obj["sample_id"]), None if turn is None or turn != turn else int(turn))
 
     @classmethod
     def parse(cls, text: str) -> SampleKey:
@@ -273,7 +278,7 @@ def read_dataset(run_dir: str | Path, name: str, error: type[RunFileError] = Run
         if str(r["dataset"]) != name:
             raise error(f"{path}: record {r['sample_id']!r} has dataset {r['dataset']!r}, not {name!r}", path=path,
                         fields=("dataset",))
-    latest, dup = supersede_rule([str(r["sample_id"]) for r in scan.records],
+    latest, dup = supersede_rule([SampleKey.of(r) for r in scan.records],
                                  [r.get("finish_reason") for r in scan.records])
     return DatasetLines(name, path, scan.records, latest, dup, scan.bad_lines, scan.torn_tail_bytes)
 

@@ -36,6 +36,7 @@ import orjson
 
 from ..ledger import DatasetLedger, write_ledger
 from ..progress import Progress, generate_figures, generate_line
+from ..reader import SampleKey
 from ..records import Journal
 from .transport import LeanTransport
 
@@ -59,6 +60,8 @@ class Job:
 
     `prompt_ids` may be None until the engine's `prepare` templates the job (just before
     dispatch, or ahead of it while every slot is busy); `rejected` then says why it is not sent.
+    A turn of a conversation (`generate.turns: all`) has its `turn` and `conversation`: when its
+    record is journaled, the engine's `follow` gives the conversation's next turn (or none).
     """
 
     dataset: str
@@ -69,10 +72,12 @@ class Job:
     reserve: int = 0
     prompt: Any = None
     rejected: str | None = None
+    turn: int | None = None
+    conversation: Any = None
 
     @property
-    def key(self) -> tuple[str, str]:
-        return self.dataset, str(self.sample_id)
+    def key(self) -> SampleKey:
+        return SampleKey(self.dataset, self.sample_id, self.turn)
 
 
 class Backend(Protocol):
@@ -107,6 +112,8 @@ def record_dict(job: Job, *, source: str, model: str, profile: str, sampling: di
         "cost_usd": None, "provider": None, "generation_id": None, "sampling": sampling, "latency_s": None,
         "error": None, "created_at": time.time(),
     }
+    if job.turn is not None:
+        rec["turn"] = job.turn
     rec.update(fields)
     return rec
 
@@ -192,7 +199,8 @@ class Engine:
     def __init__(self, backend: Backend, jobs: Sequence[Job], *, base_url: str, settings: EngineSettings,
                  ledger: dict[str, DatasetLedger], journal_dir: Path, run_dir: Path, done_keys: set,
                  budgets: dict[str, int | None], ledger_extra: Callable[[], dict] | None = None,
-                 progress: bool = True, prepare: Callable[[Job], None] | None = None):
+                 progress: bool = True, prepare: Callable[[Job], None] | None = None,
+                 follow: Callable[[Job, dict[str, Any]], Job | None] | None = None):
         self.backend = backend
         self.jobs = list(jobs)
         self.base_url = base_url.rstrip("/")
@@ -204,6 +212,8 @@ class Engine:
         self.budgets = budgets
         self.ledger_extra = ledger_extra or (lambda: {})
         self.prepare = prepare
+        self.follow = follow  # turns: a journaled turn's record -> the conversation's next turn (or None)
+        self._next_turns: deque[Job] = deque()  # conversations' next turns: dispatched before new conversations
         self.progress = Progress(progress, run_dir=self.run_dir, stage="01_generate")
         self.rng = random.Random(settings.seed)
         self.reserved: dict[str, int] = {k: 0 for k in ledger}
@@ -281,11 +291,15 @@ class Engine:
         if key in self.done_keys:
             self.duplicates += 1
             return
-        self._journal(job.dataset).write(rec)
+        nxt = self.follow(job, rec) if self.follow is not None and job.conversation is not None else None
+        self._journal(job.dataset).write(rec)  # `follow` wrote the conversation's end reason into it, if it ended
         if rec.get("finish_reason") != "error":
             self.done_keys.add(key)
         self.ledger[job.dataset].add_record(rec)
         self.new_records += 1
+        if nxt is not None:
+            self.ledger[job.dataset].planned += 1
+            self._next_turns.append(nxt)
 
     # -- requests ------------------------------------------------------------------------
     async def _wait_pause(self) -> None:
@@ -381,8 +395,18 @@ class Engine:
         if job.rejected is not None:
             self.ledger[job.dataset].skip(job.sample_id)
             self.ledger[job.dataset].rejected_prompt_lines.append(job.rejected)
+            if job.conversation is not None:
+                self.ledger[job.dataset].end_conversation("too_long")
             return False
         return True
+
+    def _more(self, i: int) -> bool:
+        """Work is left: new jobs, conversations' next turns, or turns in flight whose next turn may follow."""
+        return i < len(self.jobs) or bool(self._next_turns) or (self.follow is not None and self.in_flight_requests > 0)
+
+    def _skip_rest(self, jobs: Sequence[Job]) -> None:
+        for job in jobs:
+            self.ledger[job.dataset].skip(job.sample_id)
 
     async def _prepare_ahead(self, jobs: list[Job], start: int) -> int:
         """While every slot is busy, template jobs ahead of dispatch, one per loop turn; the next index."""
@@ -399,9 +423,13 @@ class Engine:
         jobs = self.jobs
         i = ahead = 0  # jobs[i:] are not dispatched; jobs[:ahead] are templated
         bs = max(1, self.backend.batch_size)
-        while i < len(jobs) and self.stop_reason is None:
-            if not self._slots:
+        nxt = self._next_turns
+        while self._more(i) and self.stop_reason is None:
+            if not self._slots or (i >= len(jobs) and not nxt):  # nothing to send until a turn comes back
                 self._wake.clear()
+                if self._slots:
+                    await self._wake.wait()
+                    continue
                 if self.prepare is not None and ahead < len(jobs):
                     ahead = await self._prepare_ahead(jobs, max(ahead, i))
                 await self._wake.wait()
@@ -413,14 +441,19 @@ class Engine:
                 self.request_stop(f"cost cap ${self.s.cost_cap_usd:g} reached (spent + reserved)", grace=False)
                 break
             batch: list[Job] = []
-            while i < len(jobs) and len(batch) < bs:
-                job = jobs[i]
-                i += 1
+            while (nxt or i < len(jobs)) and len(batch) < bs:
+                if nxt:  # a conversation's next turn goes before a new conversation
+                    job = nxt.popleft()
+                else:
+                    job = jobs[i]
+                    i += 1
                 if not self._ready(job):
                     continue
                 if not self._budget_left(job.dataset):
                     self.ledger[job.dataset].budget_reached = True
                     self.ledger[job.dataset].skip(job.sample_id)
+                    if job.conversation is not None:
+                        self.ledger[job.dataset].end_conversation("budget")
                     continue
                 self.reserved[job.dataset] += job.reserve
                 self.ledger[job.dataset].in_flight += 1
@@ -433,8 +466,9 @@ class Engine:
             task.add_done_callback(self._tasks.discard)
             if len(self._tasks) % 256 == 0:
                 await asyncio.sleep(0)  # let responses in while a large first wave goes out
-        for job in jobs[i:]:
-            self.ledger[job.dataset].skip(job.sample_id)
+        self._skip_rest(jobs[i:])
+        self._skip_rest(nxt)
+        nxt.clear()
 
     def _status_line(self, final: bool = False) -> str:
         return generate_line(self._figures(final), final=final)
@@ -530,6 +564,8 @@ class Engine:
                     t.cancel()
                 if self._tasks:
                     await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                self._skip_rest(self._next_turns)  # next turns of replies that came in after the stop
+                self._next_turns.clear()
                 for j in self._journals.values():
                     j.close()
         cancelled = any(v.cancelled for v in self.ledger.values())

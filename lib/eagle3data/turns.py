@@ -1,0 +1,174 @@
+"""Whole conversations, turn by turn, on-policy: the history of every turn is the model's own replies.
+
+With `generate.turns: all`, a prompt's normalized `conversation` (every turn of the row, see
+`prompts.Prompt`) is regenerated one assistant turn at a time. Turn t (0, 1, ...) is generated
+from the conversation rendered with the model's **own** replies to turns < t: the assistant
+message of turn t' is built from turn t''s record (`assistant_message`: its `reasoning`,
+`content` and `tool_calls`, which the exact backends write through the one split of the
+output ids, `spans.output_texts`). The chat template then renders that history as it renders
+any (Qwen3 and Kimi drop the reasoning of turns before the last user message).
+
+The dataset's conversation is read as exchanges: the messages that open it (system, user) and
+the dataset's reply steps (each an assistant message and the tool results that follow it).
+After the model's reply:
+
+- **a tool call** (one or more): the dataset's step at the same place must call the same
+  functions in the same order and have their results; those results are spliced in as the
+  tool turn (their `tool_call_id` set to the model's call ids) and the next turn is generated
+  from there. Otherwise the conversation ends with a recorded reason
+  (`tool_call_unmatched`, `tool_call_mismatch`, `tool_result_missing`). Tool results are data,
+  never executed.
+- **an answer**: the next exchange's user messages follow; none left: the conversation is `done`.
+- a reply cut by the length limit (`length`), an `abort` or an `error` ends it too, and so does
+  `generate.max_turns`.
+
+The reason is journaled on the conversation's last turn record (`conversation_end`); a turn
+record's key is `SampleKey.of(record)` = `dataset/sample_id#turn`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+END_REASONS = ("done", "max_turns", "tool_call_unmatched", "tool_call_mismatch", "tool_result_missing", "length",
+               "abort", "error", "budget", "too_long")
+
+
+def assistant_message(rec: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message a turn's record puts into later turns' history (what the model produced).
+
+    `content` (empty text when none), `reasoning_content` when the record has reasoning (the key
+    the Qwen3 and Kimi templates read), `tool_calls` when it called tools.
+    """
+    msg: dict[str, Any] = {"role": "assistant", "content": rec.get("content") or ""}
+    if rec.get("reasoning") is not None:
+        msg["reasoning_content"] = rec["reasoning"]
+    if rec.get("tool_calls"):
+        msg["tool_calls"] = copy.deepcopy(rec["tool_calls"])
+    return msg
+
+
+def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as an OpenAI-style API takes them back: an earlier reply's reasoning as `reasoning`
+    (OpenRouter's field for reasoning passed back), everything else as it is."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and "reasoning_content" in m:
+            m = dict(m)
+            m["reasoning"] = m.pop("reasoning_content")
+        out.append(m)
+    return out
+
+
+@dataclass
+class Exchange:
+    """The messages that open one exchange (system/user), then the dataset's reply steps:
+    (assistant message, the tool results that follow it)."""
+
+    ask: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[tuple[dict[str, Any], list[dict[str, Any]]]] = field(default_factory=list)
+
+
+def exchanges(conversation: list[dict[str, Any]]) -> list[Exchange]:
+    """A dataset conversation as exchanges (see `Exchange`)."""
+    out = [Exchange()]
+    for m in conversation:
+        role = m.get("role")
+        cur = out[-1]
+        if role == "assistant":
+            cur.steps.append((m, []))
+        elif role == "tool":
+            if cur.steps:
+                cur.steps[-1][1].append(m)
+            else:
+                cur.ask.append(m)
+        elif cur.steps:  # a user (or system) message after replies opens the next exchange
+            out.append(Exchange([m]))
+        else:
+            cur.ask.append(m)
+    return out
+
+
+def _names(calls: list[dict[str, Any]] | None) -> list[str]:
+    return [str((c.get("function") or {}).get("name")) for c in calls or [] if isinstance(c, dict)]
+
+
+class Conversation:
+    """One conversation while its turns are generated: the history of its next turn, and how it ended."""
+
+    def __init__(self, prompt: Any, max_turns: int | None = None):
+        self.prompt = prompt
+        self.exchanges = exchanges(prompt.conversation or prompt.messages)
+        self.max_turns = max_turns
+        self.history: list[dict[str, Any]] = [dict(m) for m in self.exchanges[0].ask]
+        self.turn = 0  # the next turn to generate
+        self.e = self.s = 0  # the dataset's exchange and reply step the next turn stands at
+        self.ended: str | None = None  # the end reason (with particulars) once the conversation is over
+
+    @property
+    def dataset(self) -> str:
+        return self.prompt.dataset
+
+    @property
+    def sample_id(self) -> Any:
+        return self.prompt.sample_id
+
+    def turn_prompt(self) -> Any:
+        """The next turn as a Prompt (its messages: the history so far, a copy)."""
+        from .prompts import Prompt
+
+        return Prompt(self.prompt.dataset, self.prompt.sample_id, copy.deepcopy(self.history), self.prompt.tools)
+
+    def end(self, reason: str) -> str:
+        self.ended = reason
+        return reason
+
+    def advance(self, rec: dict[str, Any]) -> str | None:
+        """Take turn `self.turn`'s record into the history; the end reason when the conversation is over."""
+        fr = rec.get("finish_reason")
+        if fr not in ("stop", "length", "abort"):
+            return self.end(f"error: turn {self.turn}: {rec.get('error') or fr}")
+        if fr != "stop":
+            return self.end(f"{fr}: turn {self.turn} ended with finish_reason {fr}: its reply cannot be continued")
+        msg = assistant_message(rec)
+        self.history.append(msg)
+        t = self.turn
+        self.turn += 1
+        ex = self.exchanges[self.e]
+        calls = msg.get("tool_calls")
+        if calls:
+            step = ex.steps[self.s] if self.s < len(ex.steps) else None
+            ours = _names(calls)
+            theirs = _names(step[0].get("tool_calls")) if step else []
+            if not theirs:
+                return self.end(f"tool_call_unmatched: turn {t} calls {', '.join(ours)}; the dataset has no tool "
+                                "call at this point")
+            if ours != theirs:
+                return self.end(f"tool_call_mismatch: turn {t} calls {', '.join(ours)}; the dataset calls "
+                                f"{', '.join(theirs)}")
+            results = step[1]  # type: ignore[index]
+            if len(results) < len(calls):
+                return self.end(f"tool_result_missing: turn {t} calls {len(calls)} tool(s); the dataset has "
+                                f"{len(results)} result(s)")
+            for i, r in enumerate(results):
+                r = dict(r)
+                if i < len(calls) and calls[i].get("id") is not None:
+                    r["tool_call_id"] = calls[i]["id"]
+                self.history.append(r)
+            self.s += 1
+        else:
+            self.e += 1
+            self.s = 0
+            if self.e >= len(self.exchanges):
+                return self.end("done")
+            self.history.extend(dict(m) for m in self.exchanges[self.e].ask)
+        if self.max_turns is not None and self.turn >= self.max_turns:
+            return self.end(f"max_turns: {self.turn} turn(s) generated (generate.max_turns)")
+        return None
+
+
+def end_kind(reason: str | None) -> str | None:
+    """The kind of an end reason (its text before the first colon), as the ledger counts it."""
+    return None if reason is None else reason.split(":", 1)[0]
