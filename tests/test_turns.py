@@ -26,6 +26,7 @@ import torch
 from eagle3data.audit import run_audit
 from eagle3data.generate import run_generate
 from eagle3data.ledger import read_ledger
+from eagle3data.mix import build_mix
 from eagle3data.params import load_params
 from eagle3data.profiles import KIMI_K25, QWEN3
 from eagle3data.prompts import Prompt, template_prompt
@@ -222,6 +223,14 @@ def test_local_turn_by_turn_on_policy_with_tool_loop(qwen, tmp_path):
     assert st["prompt.retemplate"]["failed"] == 0 and st["text.fields_match"]["failed"] == 0
     assert sorted(read_run(params.run_dir).by_key()) == sorted(
         f"d0/{s}#{t}" for s, n in TURNS.items() for t in range(n))
+    # each turn is one training sequence (its prompt ids + its output ids, loss on the output), audited per turn
+    mix = build_mix(params, write=False)
+    assert sorted(str(x.key) for x in mix.samples) == sorted(f"d0/{s}#{t}" for s, n in TURNS.items() for t in range(n))
+    by_key = {SampleKey.of(r): r for r in _records(params)}
+    for x in mix.samples:
+        r = by_key[x.key]
+        assert x.input_ids == r["prompt_ids"] + r["output_ids"]
+        assert x.loss_mask == [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])
 
 
 def test_on_policy_check_fails_a_history_from_the_dataset(qwen, tmp_path):
@@ -240,6 +249,8 @@ def test_on_policy_check_fails_a_history_from_the_dataset(qwen, tmp_path):
     assert [(str(s), ) for s in failing["sample_id"]] == [("c",)]
     assert res.summary()["checks"]["prompt.on_policy"]["failed"] == 1
     assert res.summary()["checks"]["prompt.retemplate"]["failed"] == 0  # its ids are honest: only its history is not
+    mix = build_mix(params, write=False)  # the verdict is per turn: only that turn leaves the mix
+    assert SampleKey("d0", "c", 2) not in {x.key for x in mix.samples} and len(mix.samples) == 6
 
 
 def test_max_turns_and_budget_cut_at_turn_granularity(qwen, tmp_path):

@@ -191,6 +191,8 @@ class AuditResult:
         trunc = (m["finish_reason"] == "length").to_numpy()
         lines = [orjson.dumps({"dataset": d, "sample_id": _py(s), "failed": f, "truncated": bool(t)})
                  for d, s, f, t in zip(m["dataset"], m["sample_id"], self.failed_lists(), trunc)]
+        if "turn" in m and m["turn"].notna().any():  # generate.turns: all: a verdict per turn (its SampleKey)
+            lines = [ln if t is None or t != t else ln[:-1] + b',"turn":%d}' % int(t) for ln, t in zip(lines, m["turn"])]
         vp, sp = out / "verdicts.jsonl", out / "summary.json"
         tmp = vp.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
