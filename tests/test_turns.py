@@ -509,3 +509,31 @@ def test_kimi_history_golden(kimi, tmp_path):
         + f"<|im_assistant|>assistant<|im_middle|><think></think>answer at {n1}<|im_end|>"
         + "<|im_user|>user<|im_middle|>Thanks. Should I take a coat?<|im_end|>" + gen)
     assert w[2]["content"] == f"answer at {n2}"
+
+
+def test_vllm_turn_by_turn_prompts_hold_the_models_own_replies(tmp_path, smollm2_tokenizer):
+    """vLLM (`/v1/completions` with token-id prompts): each turn's prompt ids, as sent, render the model's own
+    earlier replies (SmolLM2's template), never the dataset's."""
+    from eagle3data.profiles import SMOLLM2
+
+    convs = {f"v{i}": [m for k in range(2) for m in ({"role": "user", "content": f"question {k} of chat {i}"},
+                                                       {"role": "assistant", "content": f"DATASET reply {k}"})]
+             for i in range(3)}
+    with LoopbackServer("vllm") as srv:
+        params = load_params(REPO / "params" / "ci.yaml", {
+            "output_root": str(tmp_path / "out"), "run_name": "run", "generate.turns": "all",
+            "datasets": [{"name": "d0", "path": str(_prompts_file(tmp_path, convs))}],
+            "generate.backend": "vllm", "generate.vllm": {"base_url": srv.base_url}, "generate.timeout_s": 10})
+        s = run_generate(params, progress=False, tokenizer=smollm2_tokenizer)
+        sent = [r["body"]["prompt"] for r in srv.requests if r["path"] == "/completions"]
+    assert s.status == "finished"
+    conv = _by_turn(_records(params))
+    assert {k: sorted(v) for k, v in conv.items()} == {k: [0, 1] for k in convs}
+    assert sorted(map(tuple, sent)) == sorted(tuple(r["prompt_ids"]) for r in _records(params))
+    for sid, turns in conv.items():
+        assert turns[1]["conversation_end"] == "done" and turns[0]["ids_exact"]
+        assert [m for m in turns[1]["messages"] if m["role"] == "assistant"] == [assistant_message(turns[0])]
+        text = smollm2_tokenizer.decode(turns[1]["prompt_ids"])
+        assert turns[0]["content"] in text and "DATASET" not in text
+        assert turns[1]["prompt_ids"] == template_prompt(smollm2_tokenizer, Prompt("d0", sid, turns[1]["messages"]),
+                                                         SMOLLM2)
