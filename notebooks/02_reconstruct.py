@@ -13,9 +13,10 @@
 
 # %% [markdown]
 # # 02 · Reconstruct
-# Rebuilds token ids for records that came back as text from an API, proves each rebuild
-# (seam check, decode roundtrip, length vs billed tokens), and measures how often
-# re-tokenizing lies where the true ids are known (local / SGLang records).
+# Rebuilds token ids for records that came back as text from an API, proves what it can of
+# each rebuild and gives it a **proof level** (`token` > `count` > `text` > `failed`; exact
+# engine records are `engine`), and measures how often re-tokenizing lies where the true ids
+# are known (local / SGLang records), per proof level.
 #
 # **Reads:** `outputs/<run>/records/<dataset>.jsonl` (never rewritten).
 # **Writes:** `outputs/<run>/reconstruct/<dataset>.jsonl` (rebuilt API records, `ids_exact:
@@ -25,7 +26,7 @@
 
 # %%
 from eagle3data.params import load_params, params_for_display
-from eagle3data.reconstruct import FLAGS, run_reconstruct
+from eagle3data.reconstruct import FLAGS, PROOF_MEANING, run_reconstruct
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"
@@ -45,7 +46,30 @@ print(f"{result.summary['api_records']} API records rebuilt; "
       f"{result.drift['overall']['n']} exact records measured for drift in {result.seconds:.1f} s")
 
 # %% [markdown]
-# ## 2. Rebuilt API records: seam, roundtrip and billed-count agreement per dataset
+# ## 2. Proof levels of the rebuilt API records
+# Share of records at each level per dataset and provider (what each level proves is below).
+# The training mix lets in records at `hidden.min_proof_level` or above. Empty when the run
+# has no API records.
+
+# %%
+result.level_table()
+
+# %%
+PROOF_MEANING
+
+# %% [markdown]
+# ### Billed-count calibration per (provider, dataset, end)
+# `count_offset` is the learned `rebuilt − billed` of the group (e.g. +1 where a provider does
+# not bill the end-of-turn); `off_offset` records differ from it (flag `count_off_offset`:
+# a token more or less than the model produced). Groups too small or too scattered to
+# calibrate (`calibrated` false) use offset 0. The same for the reasoning span against the
+# billed reasoning tokens.
+
+# %%
+result.calibration_table()
+
+# %% [markdown]
+# ## 3. Rebuilt API records: roundtrip, structural tokens and billed-count agreement per dataset
 # `count_diff_pct` is (rebuilt − billed) / billed over the dataset; `abs_count_diff_pct`
 # sums per-record differences without letting them cancel. Empty when the run has no API records.
 
@@ -56,7 +80,7 @@ result.table()
 result.provider_table()
 
 # %% [markdown]
-# ## 3. Flags (records per flag; flags are reported, never fixed)
+# ## 4. Flags (records per flag; flags are reported, never fixed)
 
 # %%
 result.flag_table()
@@ -65,13 +89,22 @@ result.flag_table()
 {k: v for k, v in FLAGS.items()}
 
 # %% [markdown]
-# ## 4. Drift: rebuilding from text vs the true ids
+# ## 5. Drift: rebuilding from text vs the true ids
 # Exact-match rate per dataset with its 95% Wilson interval: how far to trust the API part of
 # a mixed dataset. `text_equal` counts records whose API-style text reassembles to the true
 # decoded text (a mismatch there is a text split problem, not a tokenizer one).
 
 # %%
 result.drift_table()
+
+# %% [markdown]
+# ### Drift per proof level
+# The exact records rebuilt from their text are graded as API records would be: how often a
+# rebuild at each level is in fact right (a same-count resplit passes `count`; only `token`
+# and `engine` ids cannot drift).
+
+# %%
+result.drift_level_table()
 
 # %% [markdown]
 # ### Divergent examples, token by token (window around the first divergence)
@@ -91,5 +124,7 @@ figures = {
     "drift_exact_rate": result.drift["overall"]["rate"],
     "drift_ci95": result.drift["overall"]["ci95"],
     "drift_rate_by_dataset": {k: v["rate"] for k, v in result.drift["datasets"].items()},
+    "proof_levels": (result.summary["overall"] or {}).get("proof_levels", {}),
+    "drift_by_level": {k: v["by_level"] for k, v in result.drift["datasets"].items()},
 }
 figures
