@@ -537,3 +537,25 @@ def test_vllm_turn_by_turn_prompts_hold_the_models_own_replies(tmp_path, smollm2
         assert turns[0]["content"] in text and "DATASET" not in text
         assert turns[1]["prompt_ids"] == template_prompt(smollm2_tokenizer, Prompt("d0", sid, turns[1]["messages"]),
                                                          SMOLLM2)
+
+
+def test_turns_per_dataset_in_one_run(qwen, tmp_path):
+    """`datasets[].turns` overrides `generate.turns`: one dataset turn by turn, the other its last turn only
+    (records without `turn`, keyed `dataset/sample_id` as before); a journal never mixes the two."""
+    last = tmp_path / "last.jsonl"
+    last.write_bytes(orjson.dumps({"sample_id": "c", "messages": CONVERSATIONS["c"][:3]}) + b"\n")
+    params = _params(tmp_path, **{"generate.turns": "last", "datasets": [
+        {"name": "d0", "path": str(_prompts_file(tmp_path)), "turns": "all"}, {"name": "d1", "path": str(last)}]})
+    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    s = run_generate(params, progress=False, model=model, tokenizer=qwen)
+    assert s.new_records == sum(TURNS.values()) + 1
+    _check_on_policy_run(params, qwen)
+    (single,) = scan_journal(params.run_dir / "records" / "d1.jsonl").records
+    assert "turn" not in single and SampleKey.of(single) == "d1/c"
+    assert [m["content"] for m in single["messages"]] == [m["content"] for m in CONVERSATIONS["c"][:3]]
+    led = read_ledger(params.run_dir)["datasets"]["d1"]
+    assert led["planned"] == led["done"] == 1 and led["conversations"] == 0
+    flipped = load_params(REPO / "params" / "ci.yaml", {**_overrides(params), "datasets": [
+        {"name": "d0", "path": str(tmp_path / "conv.jsonl")}], "generate.turns": "last"})
+    with pytest.raises(ValueError, match="turns all, and this run asks for last"):
+        run_generate(flipped, progress=False, model=model, tokenizer=qwen)

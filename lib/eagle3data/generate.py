@@ -117,7 +117,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
     pending: list[tuple[Prompt, list[int] | None]] = []
     done_keys: set[SampleKey] = set()
     convs: dict[tuple[str, str], Conversation] = {}
-    all_turns = params.generate.turns == "all"
+    modes = turns_by_dataset(params)
     torn: dict[str, int] = {}
     bad: list[str] = []
     budgets = {d.name: d.token_budget for d in params.datasets}
@@ -134,11 +134,12 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
         if scan.records and not params.generate.resume:
             raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')} already holds {len(scan.records)} records "
                              "and generate.resume is false: use a new run_name (journals are never rewritten)")
+        all_turns = modes[name] == "all"
         other = next((r for r in scan.records if (r.get("turn") is None) == all_turns), None)
         if other is not None:
             raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')}: record {other['sample_id']!r} was generated "
-                             f"with generate.turns {'last' if all_turns else 'all'}, and this run asks for "
-                             f"{params.generate.turns}: use a new run_name (one journal, one way of generating)")
+                             f"with turns {'last' if all_turns else 'all'}, and this run asks for {modes[name]}: "
+                             "use a new run_name (one journal, one way of generating)")
         if all_turns:
             _plan_conversations(params, name, ps, scan.records, led, tokenizer, profile, template, pending,
                                 done_keys, convs)
@@ -170,6 +171,11 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 continue
             pending.append((p, ids))
     return RunPlan(ledger, pending, done_keys, torn, bad, convs)
+
+
+def turns_by_dataset(params: RunParams) -> dict[str, str]:
+    """Each dataset's turns mode: its own `turns`, else `generate.turns`."""
+    return {d.name: d.turns or params.generate.turns for d in params.datasets}
 
 
 def _plan_conversations(params: RunParams, name: str, ps: PromptSet, records: list[dict[str, Any]],
@@ -419,19 +425,20 @@ def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: 
 
     show()
     bs = params.generate.batch_size
-    chunk: list[tuple[Prompt, list[int], Conversation]] = []
+    chunk: list[tuple[Prompt, list[int], Conversation | None]] = []
     try:
         with _stop_signals(stop.on_signal):
             while queue and not stop.requested():
                 chunk = []
                 while queue and len(chunk) < bs:
                     p, ids = queue.popleft()
-                    conv = plan.conversations[(p.dataset, str(p.sample_id))]
+                    conv = plan.conversations.get((p.dataset, str(p.sample_id)))  # None: a turns: last dataset
                     b = budgets.get(p.dataset)
                     if b is not None and ledger[p.dataset].tokens(counts) >= b:
                         ledger[p.dataset].budget_reached = True
                         ledger[p.dataset].skip(p.sample_id)
-                        ledger[p.dataset].end_conversation("budget")
+                        if conv is not None:
+                            ledger[p.dataset].end_conversation("budget")
                         continue
                     chunk.append((p, ids, conv))
                 if not chunk:
@@ -442,8 +449,10 @@ def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: 
                 for (p, ids, conv), res in zip(chunk, results):
                     led = ledger[p.dataset]
                     rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
-                    rec["turn"] = conv.turn
-                    end = _end_turn(conv, rec, led)
+                    end = "single"
+                    if conv is not None:
+                        rec["turn"] = conv.turn
+                        end = _end_turn(conv, rec, led)
                     j = journals.get(p.dataset) or journals.setdefault(
                         p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
                     j.write(rec)
@@ -451,6 +460,7 @@ def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: 
                     new += 1
                     if end is not None:
                         continue
+                    assert conv is not None
                     tp = conv.turn_prompt()
                     nids = template_prompt(tokenizer, tp, profile)
                     led.planned += 1
@@ -577,7 +587,7 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
                     journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
                     budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
                     progress=progress, prepare=_preparer(params, tokenizer, profile),
-                    follow=_follower(plan.ledger) if g.turns == "all" else None)
+                    follow=_follower(plan.ledger) if plan.conversations else None)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -590,7 +600,7 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
 def run_generate(params: RunParams, *, progress: bool = True, model: Any = None, tokenizer: Any = None) -> GenerateSummary:
     """Generate every pending sample of the run with the backend in params; journal as it goes."""
     from .models import tokenizer_for
-    from .params import check_dataset_files
+    from .prompts import check_dataset_files
     from .provenance import write_provenance
 
     t0 = time.perf_counter()
@@ -611,7 +621,7 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     write_ledger(run_dir, plan.ledger, "running",
                  {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
     if backend == "local":
-        run_local = _run_local_turns if params.generate.turns == "all" else _run_local
+        run_local = _run_local_turns if "all" in turns_by_dataset(params).values() else _run_local
         new, status, reason = run_local(params, plan, profile, tokenizer, model, progress)
         write_ledger(run_dir, plan.ledger, status, {"source": "local", "stop_reason": reason,
                                                     "torn_tail_bytes_repaired": plan.torn_tail_bytes})
@@ -649,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     args = ap.parse_args(argv)
     try:
-        from .cli import ready_problems
+        from .preflight import ready_problems
 
         params = load_params(args.params, dict(args.p or []))
         problems = ready_problems(params, ["01_generate"])

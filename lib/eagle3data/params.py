@@ -54,6 +54,8 @@ class DatasetParams(Strict):
     token_budget: int | None = Field(
         None, gt=0, description="Stop dispatching this dataset when done + reserved in-flight tokens reach it."
     )
+    turns: Literal["last", "all"] | None = Field(
+        None, description="This dataset's `generate.turns` (None: the run's): `all` regenerates its conversations turn by turn.")
 
     @field_validator("format")
     @classmethod
