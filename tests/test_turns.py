@@ -32,7 +32,7 @@ from eagle3data.profiles import KIMI_K25, QWEN3
 from eagle3data.prompts import Prompt, template_prompt
 from eagle3data.reader import SampleKey, read_run
 from eagle3data.records import scan_journal
-from eagle3data.turns import Conversation, assistant_message
+from eagle3data.turns import assistant_message, conversation_turns
 from loopback import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -210,6 +210,12 @@ def test_local_turn_by_turn_on_policy_with_tool_loop(qwen, tmp_path):
     assert s.status == "finished" and s.new_records == 7
     conv = _check_on_policy_run(params, qwen)
     _check_qwen_golden(conv, qwen)
+    # the inspector's view of a conversation: its turns in order, where each history message came from
+    view = conversation_turns(params.run_dir, "d0", "w")
+    assert view["key"].tolist() == ["d0/w#0", "d0/w#1", "d0/w#2"]
+    assert view["history"].tolist() == ["system, user", "system, user, turn 0, tool",
+                                        "system, user, turn 0, tool, turn 1, user"]
+    assert view["conversation_end"].tolist()[-1] == "done" and view["prompt_len"].is_monotonic_increasing
     # what the model was given is what was journaled, turn by turn
     assert sorted(map(tuple, model.prompts)) == sorted(tuple(r["prompt_ids"]) for r in _records(params))
     # resume: nothing left to do, no turn generated twice
@@ -249,6 +255,8 @@ def test_on_policy_check_fails_a_history_from_the_dataset(qwen, tmp_path):
     assert [(str(s), ) for s in failing["sample_id"]] == [("c",)]
     assert res.summary()["checks"]["prompt.on_policy"]["failed"] == 1
     assert res.summary()["checks"]["prompt.retemplate"]["failed"] == 0  # its ids are honest: only its history is not
+    assert conversation_turns(params.run_dir, "d0", "c")["history"].tolist()[2] == \
+        "user, assistant (NOT a journaled turn), user, assistant (NOT a journaled turn), user"
     mix = build_mix(params, write=False)  # the verdict is per turn: only that turn leaves the mix
     assert SampleKey("d0", "c", 2) not in {x.key for x in mix.samples} and len(mix.samples) == 6
 

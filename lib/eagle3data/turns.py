@@ -172,3 +172,40 @@ class Conversation:
 def end_kind(reason: str | None) -> str | None:
     """The kind of an end reason (its text before the first colon), as the ledger counts it."""
     return None if reason is None else reason.split(":", 1)[0]
+
+
+def _source_of(msg: dict[str, Any], replies: list[dict[str, Any]]) -> str:
+    """Where a history message came from: `turn K` (the model's reply of turn K), or its role (dataset text)."""
+    if msg.get("role") == "assistant":
+        k = next((k for k, r in enumerate(replies) if r == msg), None)
+        return f"turn {k}" if k is not None else "assistant (NOT a journaled turn)"
+    return str(msg.get("role"))
+
+
+def conversation_turns(run: Any, dataset: str, sample_id: Any):
+    """One conversation of a `turns: all` run, turn by turn (for the inspector): per turn its key, finish
+    reason, prompt and output lengths and ids, where each message of its history came from (`turn K` for
+    the model's own reply of turn K, else the dataset message's role), and how the conversation ended.
+
+    `run` is a run folder or a `reader.RunView`; the turns are the records of the supersede rule.
+    """
+    import pandas as pd
+
+    from .reader import RunView, SampleKey, read_run
+
+    view = run if isinstance(run, RunView) else read_run(run, [dataset], rebuilt=False, verdicts=False)
+    recs = sorted((r for r in view.records([dataset]) if str(r["sample_id"]) == str(sample_id)
+                   and r.get("turn") is not None), key=lambda r: int(r["turn"]))
+    replies: list[dict[str, Any]] = []
+    rows = []
+    for r in recs:
+        hist = [_source_of(m, replies) for m in r.get("messages") or []]
+        rows.append({"key": str(SampleKey.of(r)), "turn": int(r["turn"]), "finish_reason": r.get("finish_reason"),
+                     "prompt_len": len(r.get("prompt_ids") or []),
+                     "output_len": None if r.get("output_ids") is None else len(r["output_ids"]),
+                     "history": ", ".join(hist), "conversation_end": r.get("conversation_end"),
+                     "prompt_ids": r.get("prompt_ids"), "output_ids": r.get("output_ids")})
+        replies.append(assistant_message(r))
+    return pd.DataFrame(rows, columns=["key", "turn", "finish_reason", "prompt_len", "output_len", "history",
+                                       "conversation_end", "prompt_ids", "output_ids"])
+
