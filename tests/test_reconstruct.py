@@ -354,3 +354,81 @@ def test_no_byte_table_without_a_byte_level_decoder(smollm2_tokenizer, monkeypat
     fast, slow = _both_roundtrips(tok, SMOL_REASONING, [ApiTurn("r", "hello world", billed_tokens=None)], monkeypatch)
     assert [r.roundtrip_ok for r in fast] == [r.roundtrip_ok for r in slow]
 
+
+
+# ---------------------------------------------------------------- proof levels (issue 15)
+
+
+def test_assemble_with_the_tokenizer_flags_any_added_token_text(vocab):
+    from eagle3data.reconstruct import assemble
+
+    tok, prof = vocab
+    turn = ApiTurn("r", "before <|im_start|> after", billed_tokens=None)
+    assert "content_has_added_token_text" not in assemble(turn, prof)[1]  # without the tokenizer: profile texts only
+    assert "content_has_added_token_text" in assemble(turn, prof, tokenizer=tok)[1]
+
+
+def test_structure_token_split_lowers_the_level(vocab):
+    tok, prof = vocab
+    bad = _overlapping(tok, "zq" + prof.end_of_turn.text[:4])
+    turn = ApiTurn("r", "abc zq", prompt_ids=[1], billed_tokens=None)
+    n = len(one(bad, prof, turn).output_ids)
+    rb = one(bad, prof, replace(turn, billed_tokens=n))
+    assert "structure_token_split" in rb.flags and rb.checks["structure_tokens_whole"] is False
+    assert rb.proof_level == "text"
+
+
+def test_roundtrip_failure_is_failed(qwen):
+    text = ADVERSARIAL["combining"]  # Qwen's NFC normalizer composes it: the ids do not spell the text
+    turn = ApiTurn("r", text, prompt_ids=[1], billed_tokens=None)
+    rb = one(qwen, QWEN3, replace(turn, billed_tokens=len(one(qwen, QWEN3, turn).output_ids)))
+    assert not rb.roundtrip_ok and rb.checks["ids_spell_text"] is False and rb.proof_level == "failed"
+
+
+def test_drift_is_reported_per_proof_level(vocab):
+    tok, prof = vocab
+    word = " understanding"
+    split = enc(tok, " under") + enc(tok, "standing")
+    head = [prof.reasoning_open.id] + enc(tok, "ok") + [prof.reasoning_close.id]
+    wrong = head + enc(tok, "Full") + split + [prof.end_of_turn.id]  # one token longer than the rebuild
+    right = head + enc(tok, "Full" + word) + [prof.end_of_turn.id]
+    recs = [dict(_exact_record(ids, i), usage={"completion_tokens": len(ids)}) for i, ids in enumerate([wrong, right])]
+    recs.append(dict(_exact_record(right, 3), usage={}))
+    dr = measure_drift(recs, tok, prof, dataset="d")
+    assert dr.by_level == {"text": {"n": 2, "exact": 1}, "count": {"n": 1, "exact": 1}}
+
+
+def test_run_writes_levels_calibration_and_tables(tmp_path, qwen):
+    from eagle3data.params import load_params
+    from eagle3data.reconstruct import PROOF_LEVELS, FLAGS, run_reconstruct, synthetic_api_record
+    from eagle3data.records import Journal
+
+    params = load_params("params/ci.yaml", {"output_root": str(tmp_path), "profile": "qwen3"})
+    recs = []
+    for i in range(12):
+        turn = ApiTurn(f"\nStep {i}.\n", f"Answer {i}.", prompt_ids=[1, 2])
+        n = len(one(qwen, QWEN3, turn).output_ids)
+        recs.append(synthetic_api_record("b1_glaive", i, reasoning=turn.reasoning, content=turn.content,
+                                         prompt_ids=[1, 2], completion_tokens=n - 1, provider="p"))
+    recs.append(synthetic_api_record("b1_glaive", 50, reasoning="x", content="a\ufffdb", prompt_ids=[1, 2],
+                                     completion_tokens=None, provider="q"))
+    with Journal(params.run_dir / "records" / "b1_glaive.jsonl") as j:
+        j.write_many(recs)
+    res = run_reconstruct(params, progress=False, tokenizer=qwen)
+    lines = [orjson_loads(x) for x in (params.run_dir / "reconstruct" / "b1_glaive.jsonl").read_bytes().splitlines()]
+    assert all(ln["proof_level"] in PROOF_LEVELS and set(ln["flags"]) <= set(FLAGS) for ln in lines)
+    assert [ln["proof_level"] for ln in lines] == ["count"] * 12 + ["text"]
+    assert lines[0]["checks"]["count_on_offset"] is True and lines[0]["count_offset"] == 1
+    cal = res.calibration_table()
+    assert cal.loc[("p", "b1_glaive", "stop"), "count_offset"] == 1 and cal.loc[("p", "b1_glaive", "stop"), "calibrated"]
+    lv = res.level_table()
+    assert lv.loc[("b1_glaive", "p"), "count"] == 1.0 and lv.loc[("b1_glaive", "q"), "text"] == 1.0
+    assert res.summary["datasets"]["b1_glaive"]["proof_levels"] == {"count": 12, "text": 1}
+    assert res.table().loc["b1_glaive", "count_off_offset"] == 0
+    assert res.drift_level_table().empty  # no exact records in this run
+
+
+def orjson_loads(b):
+    import orjson
+
+    return orjson.loads(b)

@@ -509,7 +509,7 @@ def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
     """
     meta = table.meta
     meta["ids_from"] = np.where(table.has_output, "journal", "none")
-    exact = meta["ids_exact"].fillna(False).astype(bool).to_numpy() if "ids_exact" in meta else False
+    exact = np.asarray(meta["ids_exact"].to_numpy() == True) if "ids_exact" in meta else False  # noqa: E712 (None: no)
     meta["proof_level"] = np.where(table.has_output & exact, "engine", np.where(table.has_output, "journal", "none"))
     need = np.flatnonzero(~table.has_output)
     if len(need) == 0:

@@ -139,12 +139,13 @@ def span_ids(logprobs: Any, reasoning: str | None, content: str | None, profile:
             else:
                 sp = profile.split_output(ids)
                 r_ids = sp.reasoning if sp.reasoning is not None else []
-                ok_r = (sp.reasoning is not None and bool(reasoning)
+                ok_r = (sp.reasoning is not None and (bool(reasoning) or sp.reasoning_closed)
                         and bt.decode(r_ids, skip_special_tokens=False) == reasoning)
                 ok_c = sp.calls is None and bt.decode(sp.content, skip_special_tokens=False) == content
                 if ok_r and ok_c:
                     out.covered, out.reasoning_closed = "output", sp.reasoning_closed
-                    out.ids["reasoning"] = list(r_ids)
+                    if reasoning:
+                        out.ids["reasoning"] = list(r_ids)
                     if content:
                         out.ids["content"] = list(sp.content)
                 else:
