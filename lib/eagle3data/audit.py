@@ -175,6 +175,7 @@ class AuditResult:
             "groups": _jsonable(groups.to_dict(orient="records")),
             "failures": _jsonable(fails.to_dict(orient="records")),
             "ids_from": _jsonable(self.meta.get("ids_from", pd.Series(dtype=str)).value_counts().to_dict()),
+            "proof_levels": _jsonable(self.meta.get("proof_level", pd.Series(dtype=str)).value_counts().to_dict()),
             "bad_lines": self.table.bad_lines,
             "torn_tail_bytes": self.table.torn_tail_bytes,
             "superseded_lines": len(self.superseded),
