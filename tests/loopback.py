@@ -13,6 +13,10 @@ what is sent, then close), `eot` (content already holds the end-of-turn text), `
 (HTTP 200 with finish_reason "error"). A model mismatch is `LoopbackServer(model_path=...)`.
 vLLM only: `abort` (finish_reason "abort"), `prompt_changed` (prompt_token_ids differ from the
 prompt sent), `no_token_ids` (a server without return_token_ids: choices carry text only).
+OpenRouter only: a request with `logprobs: true` gets `choices[0].logprobs` in the OpenAI shape
+(`content`: one `{token, logprob, bytes, top_logprobs}` per token, `refusal`: null; by default
+one entry per word of the content); `server.chat_script` (request -> dict) can set the answer's
+`reasoning`, `content`, `finish_reason`, `completion_tokens`, `reasoning_tokens` and `logprobs`.
 
 TLS: `LoopbackServer(..., ssl_context=ctx)` (or `--tls-cert/--tls-key`); `--http2` serves HTTP/2
 over TLS (ALPN h2, through the `h2` library) instead of HTTP/1.1, for the client benchmark.
