@@ -481,3 +481,20 @@ def test_audit_meta_shows_the_proof_level(tmp_path):
     t = load_run(p.run_dir)
     got = dict(zip(t.meta["sample_id"].astype(str), t.meta["proof_level"]))
     assert got == {"1": "engine", "2": "count", "3": "text", "4": "token", "5": "unknown"}
+
+
+def test_reasoning_counts_zero_or_scattered_are_not_used(qwen):
+    from eagle3data.reconstruct import Rebuilt
+
+    turn = ApiTurn("\nSome reasoning here.\n", "Done.", prompt_ids=[1])
+    n = billed(qwen, QWEN3, turn)
+    zero = one(qwen, QWEN3, replace(turn, billed_tokens=n, billed_reasoning_tokens=0))  # "not counted", not 0 tokens
+    assert zero.reasoning_diff is None and zero.proof_level == "count"
+
+    def rb(rd):
+        return Rebuilt([1], "x", [], True, None, True, 10, 0, reasoning_diff=rd)
+
+    scattered = [rb(d) for d in [0, 4, 9, -5, 2, 7] * 2]
+    cal = calibrate({("p", "d", "stop"): scattered})
+    assert cal[0]["reasoning_offset"] is None and not cal[0]["reasoning_calibrated"]
+    assert all(x.proof_level == "count" and x.checks["reasoning_count_on_offset"] is None for x in scattered)

@@ -220,10 +220,11 @@ def _count_html(m: Any) -> str:
         return ""
     billed, n = r.get("billed_tokens"), r.get("rebuilt_tokens", len(r.get("output_ids") or []))
     flags = r.get("flags") or []
-    bad = "count_outside_tolerance" in flags
+    bad = "count_outside_tolerance" in flags or "count_off_offset" in flags
     seam = r.get("seam_first_diff")
-    txt = (f"rebuilt {n} output tokens; the API billed {billed if billed is not None else '(no count)'}"
-           + (f" ({n - billed:+d})" if billed is not None else "")
+    txt = ((f"proof level {r['proof_level']}; " if r.get("proof_level") else "")
+           + f"rebuilt {n} output tokens; the API billed {billed if billed is not None else '(no count)'}"
+           + (f" ({n - billed:+d}; calibrated offset {r.get('count_offset', 0):+d})" if billed is not None else "")
            + (f"; flags: {', '.join(map(str, flags))}" if flags else "")
            + (f"; the seam join diverges at output position {seam}" if seam is not None else "")
            + ". An API record has no true ids to compare with: a count difference cannot be placed at a position; "

@@ -625,6 +625,8 @@ def _verified(turn: ApiTurn, ids: list[int], text: str, flags: list[str], spans:
     else:
         diff = len(ids) - billed  # flagged by `grade`, against the offset (count_outside_tolerance, count_off_offset)
     br = turn.billed_reasoning_tokens
+    if br == 0 and n_reasoning:  # many providers report 0 where they do not count reasoning: no information
+        br = None
     r_diff = n_reasoning - br if n_reasoning is not None and br is not None else None
     return Rebuilt(ids, text, flags, seam_diff is None, seam_diff, roundtrip_ok, billed, diff, br, n_reasoning, r_diff,
                    exact, spans, count_tolerance=count_tolerance)
@@ -814,8 +816,10 @@ def calibrate(groups: dict[tuple[str, str, str], list[Rebuilt]], *, min_records:
     does not bill the end-of-turn the rebuild appends). It is used when the group has at
     least `min_records` billed records, the offset holds for at least `min_share` of them
     and `|offset| <= max_offset`; otherwise the offset is 0 (billed == rebuilt). The same
-    for the reasoning span against billed reasoning tokens. Each record is graded against
-    its group's offsets; returns the calibration table (one row per group).
+    for the reasoning span against billed reasoning tokens, except that a group with enough
+    records whose reasoning counts scatter does not use them (offset None: not checked).
+    Each record is graded against its group's offsets; returns the calibration table (one
+    row per group).
     """
     table = []
     for (provider, dataset, end), rbs in sorted(groups.items()):
@@ -826,7 +830,8 @@ def calibrate(groups: dict[tuple[str, str, str], list[Rebuilt]], *, min_records:
         r_off, r_share = _mode(r_diffs)
         r_ok = r_off is not None and len(r_diffs) >= min_records and r_share >= min_share and abs(r_off) <= max_offset
         count_offset = int(off) if ok else 0  # type: ignore[arg-type]
-        reasoning_offset = int(r_off) if r_ok else 0  # type: ignore[arg-type]
+        # reasoning counts: too few records -> offset 0, like the total; enough but scattered -> not used (None)
+        reasoning_offset = int(r_off) if r_ok else (0 if len(r_diffs) < min_records else None)  # type: ignore[arg-type]
         for rb in rbs:
             rb.grade(count_offset, reasoning_offset)
         table.append({
