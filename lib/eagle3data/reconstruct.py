@@ -1,19 +1,26 @@
-"""Stage 02: rebuild token ids from API text with proof, and measure how often re-tokenizing lies.
+"""Stage 02: rebuild token ids from API text, grade what is proven, and measure how often re-tokenizing lies.
 
 An API returns text (reasoning, content, structured tool calls), not ids. `rebuild_batch`
 assembles one assistant turn per record the way the profile's model spells it
-(reasoning-open if the prompt does not end with it, reasoning, reasoning-close, content,
-native tool-call tokens, end-of-turn), encodes all records with one batched tokenizer call,
-and verifies each: the seam check (the parts' ids concatenated equal the whole's ids), the
-decode roundtrip, and the length against the API's billed `completion_tokens`. Anything odd
-is flagged, never silently fixed.
+(reasoning-open unless the prompt opened reasoning, reasoning, reasoning-close, content,
+native tool-call tokens, end-of-turn; no reasoning block when the prompt's template closed
+reasoning), encodes all records with one batched tokenizer call (spans the provider gave
+per-token output for keep the provider's ids: `provider_tokens`), and verifies each with
+checks named for what they prove: `ids_spell_text` (decode roundtrip),
+`structure_tokens_whole` (each structural token its own id on its span: a tokenizer check
+that cannot fail on the shipped vocabularies), `count_on_offset` (billed completion tokens
+against the rebuilt length, exactly, after the offset calibrated per (provider, dataset,
+end)) and `reasoning_count_on_offset` (billed reasoning tokens against the reasoning span).
+Each record gets a proof level (`PROOF_LEVELS`: token > count > text > failed; journal
+records with exact ids are `engine`). Anything odd is flagged, never silently fixed.
 
 Where the true ids are known (local/SGLang records), `measure_drift` splits them into what an
-API would return, rebuilds, and compares: the exact-match rate tells how far to trust the
-API part of a mixed dataset.
+API would return, rebuilds, grades, and compares: the exact-match rate per proof level tells
+how far to trust the API part of a mixed dataset.
 
 `run_reconstruct(params)` does both for a run: `reconstruct/<dataset>.jsonl` (rebuilt API
-records), `reconstruct/summary.json`, `reconstruct/drift.json`. The journal is never touched.
+records), `reconstruct/summary.json` (with the calibration table), `reconstruct/drift.json`.
+The journal is never touched.
 """
 
 from __future__ import annotations
