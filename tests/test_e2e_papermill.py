@@ -61,8 +61,8 @@ def test_run_writes_hidden_states_for_every_record(tiny_run):
             for k in f.keys():
                 t = f.get_slice(k)
                 shape = t.get_shape()
-                if len(shape) == 3:
-                    assert shape[1:] == [4, 576]
+                if len(shape) == 3:  # 3 aux layers + pre-norm + post-norm (hidden.final_state: both)
+                    assert shape[1:] == [5, 576]
                     n_tokens += shape[0]
     recs = [json.loads(line) for f in (run_dir / "records").glob("*.jsonl") for line in f.open()]
     assert n_tokens == sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in recs)

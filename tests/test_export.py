@@ -26,6 +26,7 @@ from eagle3data.export import (
     params_of_run,
     select_samples,
 )
+from eagle3data.vocab import VocabError
 from eagle3data.records import iter_run_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +146,7 @@ def test_fill_when_fewer_distinct_tokens_than_the_size():
     v = build_draft_vocab(counts, 5)
     # the two seen ids, then the smallest unused ids 0, 1, 3
     assert v.draft_ids.tolist() == [0, 1, 2, 3, 8] and v.filled == 3 and v.coverage == 1.0
-    with pytest.raises(ExportError, match="exceeds the target vocabulary"):
+    with pytest.raises(VocabError, match="exceeds the target vocabulary"):
         build_draft_vocab(counts, 11)
 
 

@@ -87,7 +87,8 @@ def test_a_line_cut_in_half_says_the_line_is_cut_off(tmp_path):
 def test_params_validation_names_a_missing_file_and_a_parquet_file_named_jsonl(tmp_path):
     import pytest
 
-    from eagle3data.params import ParamsError, check_dataset_files
+    from eagle3data.params import ParamsError
+    from eagle3data.prompts import check_dataset_files
 
     parquet_as_jsonl = tmp_path / "oci.jsonl"
     parquet_as_jsonl.write_bytes((REPO / "tests/fixtures/formats/opencodeinstruct.parquet").read_bytes())

@@ -75,39 +75,7 @@ def _kernel_stderr_filtered() -> Iterator[None]:
 
 # ------------------------------------------------------------------ checks before any work
 
-EMBEDDED = ("embedded:", "synthetic:")
-
-
-def ready_problems(params: Any, stages: list[str]) -> list[str]:
-    """What stops the stages from running at all, each as one line naming the key or variable.
-
-    Checked before any work: the model and tokenizer folders (for the stages that load them)
-    and, for the `openai` backend in 01, the environment variable that holds the API key.
-    """
-    problems: list[str] = []
-    m = params.model
-    needs_model = "04_extract_hidden" in stages or ("01_generate" in stages and params.generate.backend == "local")
-    checks = [("model.tokenizer_path", m.tokenizer_path)] if m.tokenizer_path else [("model.path", m.path)]
-    if needs_model and m.tokenizer_path:
-        checks.append(("model.path", m.path))
-    for key, path in checks:
-        if path and not path.startswith(EMBEDDED) and not Path(path).expanduser().exists():
-            what = "tokenizer" if key.endswith("tokenizer_path") or not needs_model else "model"
-            problems.append(f"{key}: {what} folder not found: {path}")
-    if "01_generate" in stages:  # a prompt file that cannot be read by its format: one line each, before any notebook
-        from .params import ParamsError, check_dataset_files
-
-        try:
-            check_dataset_files(params)
-        except ParamsError as e:
-            problems.extend(x for x in str(e).splitlines() if x.strip())
-    g = params.generate
-    if "01_generate" in stages and g.backend == "openai" and g.openai is not None:
-        env = g.openai.api_key_env
-        if not os.environ.get(env, "").strip():
-            problems.append(f"generate.openai.api_key_env: environment variable {env} is not set "
-                            f"(export {env}=<key>; the key is never a param)")
-    return problems
+from .preflight import ready_problems  # noqa: E402  (kept importable from here)
 
 
 def rejected_prompt_report(run_dir: Path, k: int = 3) -> list[str]:

@@ -10,16 +10,12 @@ out carries its one reason from `mix.DROP_REASONS` into `manifest.json`. When 04
 hidden states, the export checks that the hidden-state index holds exactly the mix's keys in
 order. Without a written mix (04 off), the mix is built here with the same rule.
 
-The draft vocabulary is the `draft_vocab_size` most frequent target ids among output tokens
-(loss_mask 1), ties broken by the smaller id; when fewer distinct ids exist it is filled with
-the smallest unused target ids. The selected ids are sorted ascending and stored as
-`d2t[draft_id] = target_id - draft_id` (int64, so `target_id = draft_id + d2t[draft_id]`) and
-`t2d[target_id] = True` for selected ids (bool) — the EAGLE-3 / SpecForge / speculators form.
+The draft vocabulary (`vocab.py`) is computed once per export, from the exported samples, and
+written beside every format.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import Counter
@@ -31,6 +27,8 @@ import numpy as np
 import orjson
 
 from .reader import RunFileError, Sample, read_run
+from .vocab import (DraftVocab, VocabError, build_draft_vocab, coverage_curve, load_draft_vocab,  # noqa: F401
+                    output_token_counts, save_draft_vocab)
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
@@ -78,28 +76,6 @@ class Selection:
         df = pd.DataFrame.from_dict(rows, orient="index").fillna(0).astype(int).sort_index()
         df.index.name = "dataset"
         return df
-
-
-@dataclass
-class DraftVocab:
-    """EAGLE-3 draft vocabulary: d2t offsets, t2d membership, and how much output it covers."""
-
-    d2t: np.ndarray  # int64 [draft_vocab]
-    t2d: np.ndarray  # bool [target_vocab]
-    coverage: float
-    output_tokens: int
-    distinct_output_tokens: int
-    filled: int  # ids added (never seen in outputs) to reach the size
-
-    @property
-    def draft_ids(self) -> np.ndarray:
-        """Target id of each draft id, ascending."""
-        return np.arange(len(self.d2t), dtype=np.int64) + self.d2t
-
-    def summary(self) -> dict[str, Any]:
-        return {"draft_vocab_size": int(len(self.d2t)), "target_vocab_size": int(len(self.t2d)),
-                "coverage": self.coverage, "output_tokens": self.output_tokens,
-                "distinct_output_tokens": self.distinct_output_tokens, "filled": self.filled}
 
 
 # ---------------------------------------------------------------- reading a run
@@ -190,73 +166,6 @@ def conversation(rec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------- draft vocabulary
-
-
-def output_token_counts(samples: Iterable[Sample], target_vocab_size: int) -> np.ndarray:
-    """How often each target id occurs among output tokens (loss_mask 1), as int64 [target_vocab]."""
-    counts = np.zeros(target_vocab_size, dtype=np.int64)
-    for s in samples:
-        ids = np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)]
-        if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
-            bad = int(ids[(ids < 0) | (ids >= target_vocab_size)][0])
-            raise ExportError(f"sample {s.key}: token id {bad} outside the target vocabulary "
-                              f"(size {target_vocab_size})")
-        counts += np.bincount(ids, minlength=target_vocab_size)
-    return counts
-
-
-def build_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:
-    """d2t/t2d from output-token counts: the most frequent ids, filled with the smallest unused ids."""
-    counts = np.asarray(counts, dtype=np.int64)
-    target_vocab_size = len(counts)
-    if draft_vocab_size > target_vocab_size:
-        raise ExportError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary "
-                          f"({target_vocab_size} ids)")
-    seen = np.flatnonzero(counts)
-    # most frequent first, ties by smaller id (lexsort: last key is primary)
-    ranked = seen[np.lexsort((seen, -counts[seen]))][:draft_vocab_size]
-    filled = draft_vocab_size - len(ranked)
-    if filled:
-        unused = np.flatnonzero(counts == 0)[:filled]
-        ranked = np.concatenate([ranked, unused])
-    chosen = np.sort(ranked).astype(np.int64)
-    d2t = chosen - np.arange(draft_vocab_size, dtype=np.int64)
-    t2d = np.zeros(target_vocab_size, dtype=bool)
-    t2d[chosen] = True
-    total = int(counts.sum())
-    covered = int(counts[chosen].sum())
-    return DraftVocab(d2t=d2t, t2d=t2d, coverage=(covered / total) if total else 0.0,
-                      output_tokens=total, distinct_output_tokens=int(len(seen)), filled=int(filled))
-
-
-def coverage_curve(counts: np.ndarray, sizes: Iterable[int]) -> dict[int, float]:
-    """Coverage the best draft vocabulary of each size would reach (share of output tokens)."""
-    c = np.sort(np.asarray(counts, dtype=np.int64))[::-1].cumsum()
-    total = int(c[-1]) if len(c) else 0
-    return {int(n): (float(c[min(n, len(c)) - 1]) / total if total and n > 0 else 0.0) for n in sizes}
-
-
-def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> Path:
-    """Write `d2t` (int64) and `t2d` (bool) to a safetensors file."""
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"d2t": np.ascontiguousarray(vocab.d2t, dtype=np.int64),
-               "t2d": np.ascontiguousarray(vocab.t2d, dtype=bool)}, str(path),
-              metadata={"coverage": f"{vocab.coverage:.6f}", "convention": "target_id = draft_id + d2t[draft_id]"})
-    return path
-
-
-def load_draft_vocab(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read (d2t, t2d) back from a safetensors file written by `save_draft_vocab`."""
-    from safetensors.numpy import load_file
-
-    t = load_file(str(path))
-    return t["d2t"], t["t2d"]
-
-
 # ---------------------------------------------------------------- writers
 
 
@@ -327,8 +236,6 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
     handoff: dict[str, Any] | str = "not written: no params given"
     if params is not None:
         handoff = _handoff(params, sel, out, fmt, vocab)
-        if isinstance(handoff, dict):
-            files.update({f"{k} (trainer layout)": v for k, v in handoff["files"].items()})
     manifest = {
         "format": fmt,
         "run_dir": str(run_dir),
@@ -348,7 +255,8 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
         "draft_vocab": vocab.summary(),
         "files": files,
         "handoff": handoff if isinstance(handoff, str) else {k: handoff[k] for k in (
-            "plan", "linked_files", "converted_files", "converted_bytes", "rows", "final_state", "store_layout")},
+            "plan", "linked_files", "converted_files", "converted_bytes", "rows", "final_state", "store_layout",
+            "files")},
     }
     (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
@@ -389,11 +297,11 @@ class ExportResult:
 
         rows = []
         for fmt, m in self.manifests.items():
-            for name, what in m["files"].items():
-                p = self.out_dir / fmt / name
-                size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+            ho = m.get("handoff") if isinstance(m.get("handoff"), dict) else {}
+            for name, what in list(m["files"].items()) + list((ho.get("files") or {}).items()):
+                size = sum(_bytes(self.out_dir / fmt, part.strip()) for part in name.split(","))
                 rows.append({"format": fmt, "file": name, "bytes": size, "holds": what})
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=["format", "file", "bytes", "holds"])
 
     def coverage_figure(self, sizes: Iterable[int] | None = None):
         """Coverage of output tokens against draft vocabulary size, the chosen size marked."""
@@ -415,6 +323,14 @@ class ExportResult:
         fig.tight_layout()
         plt.close(fig)  # shown once, as the cell's value (not again by the inline backend)
         return fig
+
+
+def _bytes(folder: Path, pattern: str) -> int:
+    """Bytes of the files a manifest entry names (a file, a folder `x/`, or a glob such as `data-*.arrow`)."""
+    out = 0
+    for p in folder.glob(pattern.rstrip("/")):
+        out += sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+    return out
 
 
 def _handoff(params: Any, sel: Selection, out: Path, fmt: str, vocab: DraftVocab) -> dict[str, Any] | str:

@@ -161,14 +161,10 @@ def _stored_ids(reader: HiddenReader, row: int) -> tuple[list[int], list[int]]:
 
 
 def draft_vocab_for(samples: Iterable[Any], target_vocab_size: int, draft_vocab_size: int) -> Any:
-    """The EAGLE-3 draft vocabulary of these samples' output tokens (export.build_draft_vocab's rule)."""
-    from .export import build_draft_vocab
+    """The EAGLE-3 draft vocabulary of these samples' output tokens (`vocab.py`; the export passes its own instead)."""
+    from .vocab import build_draft_vocab, output_token_counts
 
-    counts = np.zeros(target_vocab_size, dtype=np.int64)
-    for s in samples:
-        ids = np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)]
-        counts += np.bincount(ids, minlength=target_vocab_size)[:target_vocab_size]
-    return build_draft_vocab(counts, draft_vocab_size)
+    return build_draft_vocab(output_token_counts(samples, target_vocab_size), draft_vocab_size)
 
 
 def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt: str, *, vocab: Any = None,

@@ -450,23 +450,6 @@ def load_params(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         raise ParamsError(_format_error(e, source)) from None
 
 
-def check_dataset_files(params: RunParams) -> None:
-    """Every prompt file exists and is readable by its format; else ParamsError, one line per file.
-
-    Run before any work starts (01 calls it first). Not part of `load_params`: a params file
-    is valid on a machine that does not hold its datasets.
-    """
-    from .prompts import check_source
-
-    bad = []
-    for i, d in enumerate(params.datasets):
-        why = check_source(d.path, d.format, split=d.split, subset=d.subset)
-        if why:
-            bad.append(f"datasets.{i} ({d.name}, format {d.format}): {why}")
-    if bad:
-        raise ParamsError("\n".join(bad))
-
-
 def params_for_display(params: RunParams) -> dict[str, Any]:
     """The params as plain data for notebooks and the report (they hold no secrets by design)."""
     return params.model_dump(mode="json", exclude_none=True)

@@ -575,3 +575,20 @@ def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str
         tmp.replace(dst)
         print(f"wrote {len(ps.prompts)} prompts to {dst} (read it back with format: prompts)")
     return 0 if ps.prompts else 1
+
+
+def check_dataset_files(params: Any) -> None:
+    """Every prompt file exists and is readable by its format; else ParamsError, one line per file.
+
+    Run before any work starts (01 calls it first). Not part of `load_params`: a params file
+    is valid on a machine that does not hold its datasets.
+    """
+    from .params import ParamsError
+
+    bad = []
+    for i, d in enumerate(params.datasets):
+        why = check_source(d.path, d.format, split=d.split, subset=d.subset)
+        if why:
+            bad.append(f"datasets.{i} ({d.name}, format {d.format}): {why}")
+    if bad:
+        raise ParamsError("\n".join(bad))
