@@ -16,6 +16,11 @@ The HTTP backends share one asyncio engine (`backends/engine.py`) with budgets, 
 retries and a graceful stop (SIGINT/SIGTERM, or a `STOP` file in the run folder; a second
 signal cancels what is in flight). `outputs/<run>/ledger.json` is kept current while it runs.
 Headless without papermill: `python -m eagle3data.generate params/x.yaml -p key value`.
+
+`generate.turns: all` (or `datasets[].turns`) regenerates each conversation turn by turn, every
+turn from the model's own earlier replies (`turns.py`; one record per turn, keyed
+`dataset/sample_id#turn`; docs/01 "Turns"). Both the local loop and the HTTP engine run a
+conversation's turns in order and conversations concurrently; resume replays the journaled turns.
 """
 
 from __future__ import annotations
