@@ -526,8 +526,8 @@ def _preparer(params: RunParams, tokenizer: Any, profile: Any):
 
     def prepare(job: Any) -> None:
         ids = template_prompt(tokenizer, job.prompt, profile)
-        job.rejected = _too_long(params, job.dataset, job.sample_id if job.turn is None else f"{job.sample_id}#{job.turn}",
-                                 ids)
+        which = job.sample_id if job.turn is None else f"{job.sample_id}#{job.turn}"
+        job.rejected = _too_long(params, job.dataset, which, ids)
         if job.rejected is None:
             job.prompt_ids, job.reserve = ids, _reserve(params, ids)
 
