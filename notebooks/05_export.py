@@ -13,19 +13,20 @@
 
 # %% [markdown]
 # # 05 · Export for drafter trainers
-# Writes the run in the forms SpecForge and vllm speculators take, plus the EAGLE-3 draft
-# vocabulary (`d2t` / `t2d`), and shows how much of the generated output that vocabulary covers.
+# Hands exactly 04's training mix (same keys, same order) to SpecForge and vllm speculators in
+# their own layouts, plus the EAGLE-3 draft vocabulary (`d2t` / `t2d`), and shows how much of
+# the generated output that vocabulary covers.
 #
-# **Reads:** `outputs/<run>/records/*.jsonl`, `reconstruct/*.jsonl` (rebuilt ids of API
-# records, when stage 02 ran), `audit/verdicts.jsonl` (when stage 03 ran: only records that
-# passed go out unless `export.include_failed`).
-# **Writes:** `outputs/<run>/export/specforge/` (`conversations.jsonl`, `token_ids.jsonl`,
-# `vocab_mapping.pt`), `export/speculators/` (`data.parquet`, `token_freq.pt`, `d2t.npy`,
-# `t2d.npy`), `export/draft_vocab.safetensors`, a `manifest.json` per format,
+# **Reads:** `outputs/<run>/hidden/mix.parquet` and `hidden/` (04's mix and stored states; the
+# mix rule is applied here when 04 has not run), the records of the mix's samples.
+# **Writes:** `outputs/<run>/export/specforge/` (`features/*.ckpt`, `vocab_mapping.pt`,
+# `specforge.yaml`, plus `conversations.jsonl`, `token_ids.jsonl`), `export/speculators/` (the
+# `datasets` folder, `hidden_states/hs_<i>.safetensors`, `d2t-<N>.npy` / `t2d-<N>.npy`, plus
+# `data.parquet`), `export/draft_vocab.safetensors`, a `manifest.json` per format,
 # `provenance/05_export.json`.
 # **Parameters:** `params_file` (a YAML under `params/`), `overrides` (dotted keys, as
 # `-p key value` on the CLI); the stage's own keys live under `export:` (`draft_vocab_size`,
-# `include_failed`). See `docs/05_export.md` for the hand-off to each trainer.
+# `formats`). See `docs/05_export.md` for the command each trainer runs.
 
 # %%
 from eagle3data.export import run_export

@@ -179,8 +179,8 @@ def audit_banners(result: Any) -> HTMLBlock:
         failed = {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}
         out.append(banner("error", f"{s['records_failed']} of {s['records']} records failed at least one check",
                           [f"{k}: {v} record(s)" for k, v in failed.items()]
-                          + ["failed records are kept out of the training mix unless hidden.include_failed / "
-                             "export.include_failed; see section 6"]))
+                          + ["failed records are kept out of the training mix (and so the export) unless "
+                             "hidden.include_failed; see section 6"]))
     not_run = [k for k, v in s["checks"].items() if v["verdict"] == "not run"]
     if s["records"] and not_run:
         out.append(banner("warning", f"{len(not_run)} check(s) not run: " + ", ".join(not_run)))
