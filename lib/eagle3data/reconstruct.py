@@ -160,8 +160,8 @@ class Rebuilt:
         if r_ok is False:
             fl.append("reasoning_count_off_offset")
         exact = set(self.token_exact_spans)
-        risky = [f for f in fl if f in _RISKY_FLAGS and f.partition("_has_")[0] not in exact]
-        if any(f in _FAILED_FLAGS for f in fl):
+        risky = bool(fl) and any(f in _RISKY_FLAGS and f.partition("_has_")[0] not in exact for f in fl)
+        if fl and any(f in _FAILED_FLAGS for f in fl):
             level = "failed"
         elif self.needed_spans and exact.issuperset(self.needed_spans) and not risky and count_ok is not False \
                 and r_ok is not False:
@@ -615,7 +615,7 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
         rest = [i for i in range(len(turns)) if out[i] is None]
         if rest:
             _rebuild_with_provider_ids(rest, turns, assembled, provided, bt, out, count_tolerance, profile)
-    return [rb.grade(count_offset, reasoning_offset) for rb in out]  # type: ignore[union-attr]
+        return [rb.grade(count_offset, reasoning_offset) for rb in out]  # type: ignore[union-attr]
 
 
 def _verified(turn: ApiTurn, ids: list[int], text: str, flags: list[str], spans: list[str], seam_diff: int | None,
