@@ -498,3 +498,27 @@ def test_reasoning_counts_zero_or_scattered_are_not_used(qwen):
     cal = calibrate({("p", "d", "stop"): scattered})
     assert cal[0]["reasoning_offset"] is None and not cal[0]["reasoning_calibrated"]
     assert all(x.proof_level == "count" and x.checks["reasoning_count_on_offset"] is None for x in scattered)
+
+
+def test_sweep_one_token_resplits_are_all_flagged(qwen):
+    """Every split of one token into two (the text unchanged, one token more) is caught by the exact count."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    bt = qwen.backend_tokenizer
+    text = "Photosynthesis converts sunlight into chemical energy, which mitochondria later release."
+    ids = enc(qwen, text)
+    caught = tried = 0
+    for k, i in enumerate(ids):
+        piece = bt.id_to_token(i)
+        for cut in range(1, len(piece)):
+            a, b = bt.token_to_id(piece[:cut]), bt.token_to_id(piece[cut:])
+            if a is None or b is None:
+                continue
+            c_ids = ids[:k] + [a, b] + ids[k + 1:]
+            engine = [QWEN3.reasoning_open.id] + enc(qwen, "r") + [QWEN3.reasoning_close.id] + c_ids + [151645]
+            rb = one(qwen, QWEN3, ApiTurn("r", dec(qwen, c_ids), prompt_ids=[1], billed_tokens=len(engine)))
+            tried += 1
+            caught += rb.proof_level == "text" and "count_off_offset" in rb.flags and rb.output_ids != engine
+            break
+    assert tried >= 8 and caught == tried
+    assert bytes_to_unicode()[32] == "Ġ"  # the alphabet the pieces are spelled in
