@@ -17,7 +17,7 @@ def tiny_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     cmd = [sys.executable, "-m", "eagle3data", "run", "params/ci.yaml", "-p", "output_root", str(root),
            "-p", "datasets.0.limit", "1", "-p", "datasets.1.limit", "1",
-           "-p", "generate.sampling.max_new_tokens", "16"]
+           "-p", "generate.sampling.max_new_tokens", "16", "--progress-every", "1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root / "ci", proc.stdout
@@ -29,6 +29,8 @@ def test_run_executes_every_stage_notebook_and_says_where_things_went(tiny_run):
         assert (run_dir / "notebooks" / f"{s}.ipynb").exists()
         assert (run_dir / "notebooks" / f"{s}.html").stat().st_size > 0
     assert str(run_dir) in stdout and "report" in stdout
+    # the live lines of the long stages reach the terminal while papermill runs them
+    assert "generate 2/2" in stdout and "extract r0 2/2 samples" in stdout, stdout
 
 
 def test_run_writes_one_exact_record_per_prompt(tiny_run):

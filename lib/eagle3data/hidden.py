@@ -49,6 +49,7 @@ from .mix import Mix, build_mix, hidden_dir, read_mix, source_sequences, tmp_tag
 from .models import context_limit
 from .params import RunParams
 from .profiles import AuxLayers, get_profile
+from .progress import Progress
 from .reader import Sample, SampleKey
 # the store on disk (re-exported: `from eagle3data.hidden import HiddenReader` keeps working)
 from .store import (AUX_NAMES, FINAL_NAMES, ID_MASK_BYTES, INDEX_FILE, INFO_FILE, SAMPLE_DIR,  # noqa: F401
@@ -344,6 +345,37 @@ def _sync() -> None:
 # ---------------------------------------------------------------------------- run
 
 
+class _ExtractLine:
+    """04's live line (notebook, terminal, `progress.json` for `eagle3data run`): samples, tokens, rate, ETA."""
+
+    def __init__(self, rank: int, samples: int, tokens: int, progress: Any):
+        self.rank, self.samples, self.tokens, self.progress = rank, samples, tokens, progress
+        self._last = 0.0
+
+    def update(self, stats: dict[str, Any], elapsed: float, final: bool = False) -> None:
+        from .progress import fmt_duration, fmt_tokens
+
+        now = time.monotonic()
+        if not final and now - self._last < 1.0:
+            return
+        self._last = now
+        done = stats["tokens"]
+        rate = done / elapsed if elapsed > 0 and done else None
+        eta = (self.tokens - done) / rate if rate else None
+        parts = [f"extract r{self.rank} {stats['extracted']:,}/{self.samples:,} samples",
+                 f"{fmt_tokens(done)}/{fmt_tokens(self.tokens)} tok"]
+        if rate:
+            parts.append(f"{rate:,.0f} tok/s")
+        parts.append(f"elapsed {fmt_duration(elapsed)}")
+        if not final and eta is not None:
+            parts.append(f"ETA {fmt_duration(eta)}")
+        if stats.get("stop_reason"):
+            parts.append(f"stopped: {stats['stop_reason']}")
+        self.progress.update(" · ".join(parts), final=final,
+                             figures={"samples": self.samples, "extracted": stats["extracted"], "tokens": done,
+                                      "planned_tokens": self.tokens, "tokens_per_s": rate, "eta_s": eta})
+
+
 @dataclass
 class WorkPlan:
     """This worker's share of the mix: samples still to extract, and those too long for the model."""
@@ -469,8 +501,6 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
 
     `max_new_shards` stops after writing that many shards (to bound a session; resume later).
     """
-    from tqdm.auto import tqdm
-
     from .provenance import write_provenance
 
     hp = params.hidden
@@ -509,7 +539,9 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
             writer = (ShardWriter(hdir, rank, hp.shard_bytes, info) if hp.layout == "shards"
                       else SampleFileWriter(hdir, rank, hp.layout, info))
             pad_id = int(getattr(text_config(config), "pad_token_id", None) or 0)
-            bar = tqdm(total=sum(len(x) for x in seqs), desc=f"extract r{rank}", unit="tok", disable=not progress)
+            total_tokens = sum(len(x) for x in seqs)
+            line = _ExtractLine(rank, len(seqs), total_tokens, Progress(progress, run_dir=params.run_dir,
+                                                                         stage=STAGE))
             t0 = time.perf_counter()
             try:
                 for b in batches:
@@ -527,7 +559,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
                             stats["stopped_early"] = True
                             break
                     del states
-                    bar.update(sum(len(seqs[i]) for i in b))
+                    line.update(stats, time.perf_counter() - t0)
                     if not stats["stopped_early"] and (params.run_dir / "STOP").exists():
                         writer.flush()  # graceful stop (Ctrl-C on `eagle3data run`, `eagle3data stop`): the shard in progress is written
                         stats["stopped_early"] = True
@@ -537,7 +569,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
                 if not stats["stopped_early"]:
                     writer.flush()
             finally:
-                bar.close()
+                line.update(stats, time.perf_counter() - t0, final=True)
             _sync()
             stats["seconds"] = round(time.perf_counter() - t0, 3)
             stats["shards_written"] = len(writer.written)
