@@ -410,7 +410,7 @@ def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: 
 
     run_dir = params.run_dir
     ledger = plan.ledger
-    queue = deque(plan.pending)
+    queue = deque(sorted(plan.pending, key=lambda x: len(x[1])))  # similar lengths together, as _run_local does
     budgets = {d.name: d.token_budget for d in params.datasets}
     counts = params.generate.budget_counts
     new = 0
