@@ -11,6 +11,7 @@ every sample against the run's records (through the one reader).
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -484,3 +485,96 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
                          "detail": f"{seen} stored samples, {len(mix.samples)} in the mix: the index must hold "
                                    "exactly the mix's keys in mix order"})
     return Validation(seen, tokens, problems, len(mix.samples), too_long)
+
+
+# ---------------------------------------------------------------------------- estimate
+
+
+@dataclass
+class Estimate:
+    """What a run will write and how long it will take, checked against the free disk."""
+
+    samples: int
+    tokens: int
+    hidden_size: int
+    bytes_per_token: int
+    bytes: int
+    free_bytes: int
+    margin: float
+    probe_tokens: int = 0
+    probe_seconds: float = 0.0
+    layout: str = "shards"
+    final_state: str = "both"
+    dtype: str = "bfloat16"
+    store_tokens: int | None = None  # tokens of the whole store (done + to do), for the hand-off figures
+
+    def handoff(self) -> dict[str, int | None]:
+        """Bytes the 05 hand-off to each trainer adds on top of the store (None: the store lacks its final state)."""
+        tokens = self.tokens if self.store_tokens is None else self.store_tokens
+        out: dict[str, int | None] = {}
+        for fmt in ("specforge", "speculators"):
+            b = handoff_bytes_per_token(fmt, self.layout, self.final_state, self.hidden_size, self.dtype)
+            out[fmt] = None if b is None else b * tokens
+        return out
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.probe_tokens / self.probe_seconds if self.probe_seconds > 0 else None
+
+    @property
+    def seconds(self) -> float | None:
+        tps = self.tokens_per_s
+        return self.tokens / tps if tps else None
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes >= self.bytes * self.margin
+
+    def table(self):
+        """The estimate as a one-column table for the notebook."""
+        import pandas as pd
+
+        rows = {
+            "samples to extract": self.samples,
+            "tokens to extract": self.tokens,
+            "layout": self.layout,
+            "states per token": ", ".join(state_names(self.final_state)),
+            "bytes per token (states x hidden x dtype + id + mask)": self.bytes_per_token,
+            "estimated size (GB)": round(self.bytes / 1e9, 4),
+            "free disk (GB)": round(self.free_bytes / 1e9, 1),
+            "fits (with margin)": self.fits,
+        }
+        for fmt, b in self.handoff().items():
+            how = ("impossible: the store lacks its final state" if b is None
+                   else "hardlinks 04's files (same filesystem)" if b == 0 else "converts: a full second copy")
+            rows[f"05 hand-off to {fmt} (extra GB)"] = None if b is None else round(b / 1e9, 4)
+            rows[f"05 hand-off to {fmt}"] = how
+        rows |= {
+            "probe tokens/s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
+            "estimated time (min)": None if self.seconds is None else round(self.seconds / 60, 2),
+        }
+        return pd.DataFrame({"value": pd.Series(rows, dtype=object)})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "tokens": self.tokens, "bytes": self.bytes,
+                "bytes_per_token": self.bytes_per_token, "free_bytes": self.free_bytes, "fits": self.fits,
+                "probe_tokens_per_s": self.tokens_per_s, "estimated_seconds": self.seconds,
+                "layout": self.layout, "states": list(state_names(self.final_state)),
+                "handoff_extra_bytes": self.handoff()}
+
+
+def check_disk(est: Estimate, where: Path) -> None:
+    """Refuse to start when the disk cannot hold the estimated bytes (times the margin)."""
+    if not est.fits:
+        raise HiddenError(
+            f"not enough disk at {where}: 04 needs about {est.bytes / 1e9:.2f} GB "
+            f"(x{est.margin} margin = {est.bytes * est.margin / 1e9:.2f} GB) but {est.free_bytes / 1e9:.2f} GB "
+            "are free. Free space, point hidden.out_dir at a larger disk, or lower hidden.dataset_caps."
+        )
+
+
+def _free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
