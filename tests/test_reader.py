@@ -132,3 +132,16 @@ def test_read_jsonl_names_file_and_line(tmp_path):
     with pytest.raises(RunFileError, match=r"x\.jsonl:1: not JSON") as e:
         list(read_jsonl(path))
     assert "cut off" not in str(e.value)
+
+
+def test_rebuilt_turns_keep_their_own_key(smollm2_tokenizer):
+    """02's line of an API turn carries the turn, so two turns of one conversation stay two samples."""
+    from eagle3data.params import ReconstructParams
+    from eagle3data.profiles import SMOLLM2
+    from eagle3data.reconstruct import reconstruct_records, synthetic_api_record
+
+    recs = [dict(synthetic_api_record("d", 5, reasoning=None, content=f"Answer {t}.", profile="smollm2",
+                                      completion_tokens=4), turn=t) for t in (0, 1)]
+    lines = reconstruct_records(recs, smollm2_tokenizer, SMOLLM2, ReconstructParams())
+    assert [SampleKey.of(ln) for ln in lines] == [SampleKey("d", "5", 0), SampleKey("d", "5", 1)]
+    assert len({SampleKey.of(ln) for ln in lines}) == 2

@@ -244,6 +244,7 @@ def reconstruct_records(recs: list[dict[str, Any]], tokenizer: Any, profile: Pro
             "billed_reasoning_tokens": rb.billed_reasoning, "rebuilt_reasoning_tokens": rb.reasoning_rebuilt,
             "reasoning_diff": rb.reasoning_diff, "reasoning_offset": rb.reasoning_offset,
             "finish_reason": r["finish_reason"],
+            **({"turn": r["turn"]} if r.get("turn") is not None else {}),  # the one key of a turn record
         })
     return out
 
