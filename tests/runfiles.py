@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
+
+from eagle3data.profiles import SMOLLM2, Token, ToolCallTokens
+
+# A reasoning stand-in on the SmolLM2 vocabulary (ids of its unused added tokens), so the
+# reasoning, guard and Kimi-style tool-call paths run on a second real vocabulary.
+SMOL_REASONING = replace(
+    SMOLLM2, name="smollm2-reasoning-standin", guard=Token("<|endoftext|>", 0),
+    reasoning_open=Token("<issue_start>", 8), reasoning_close=Token("<issue_closed>", 10),
+    tool_calls=ToolCallTokens(style="kimi", section_begin=Token("<jupyter_start>", 11),
+                              section_end=Token("<jupyter_output>", 14), call_begin=Token("<jupyter_text>", 12),
+                              argument_begin=Token("<jupyter_code>", 13), call_end=Token("<jupyter_script>", 15)),
+)
 
 
 def make_record(ds: str, sid, prompt=(1, 2, 3), output=(4, 5, 2), **kw) -> dict:

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from eagle3data.params import ReconstructParams, load_params
-from eagle3data.profiles import QWEN3, SMOLLM2, Token, ToolCallTokens
+from eagle3data.profiles import QWEN3, SMOLLM2
 from eagle3data.provider_tokens import logprob_entries, span_ids
 from eagle3data.reconstruct import (PROOF_LEVELS, ApiTurn, calibrate, measure_drift, prompt_reasoning_state,
                                     rebuild_batch, reconstruct_records, synthetic_api_record)
@@ -27,13 +27,7 @@ from runfiles import make_record, write_jsonl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-SMOL_REASONING = replace(
-    SMOLLM2, name="smollm2-reasoning-standin", guard=Token("<|endoftext|>", 0),
-    reasoning_open=Token("<issue_start>", 8), reasoning_close=Token("<issue_closed>", 10),
-    tool_calls=ToolCallTokens(style="kimi", section_begin=Token("<jupyter_start>", 11),
-                              section_end=Token("<jupyter_output>", 14), call_begin=Token("<jupyter_text>", 12),
-                              argument_begin=Token("<jupyter_code>", 13), call_end=Token("<jupyter_script>", 15)),
-)
+from runfiles import SMOL_REASONING  # noqa: E402
 RESPLIT_TEXT = "Photosynthesis converts sunlight; mitochondria respire. We need HAVING clauses."
 PLAIN = {
     "prose": "The answer is 42, because six times seven is forty-two.",
@@ -42,13 +36,6 @@ PLAIN = {
     "code": "def f(x):\n\tfor i in range(x):\n\t\tprint(i)\n",
     "whitespace": "a" + " " * 40 + "b\n\n\n   \t \n",
 }
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    from eagle3data.qwen import load_qwen3_tokenizer
-
-    return load_qwen3_tokenizer()
 
 
 @pytest.fixture(params=["qwen3", "smollm2"])

@@ -23,13 +23,6 @@ ADVERSARIAL = [
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    from eagle3data.qwen import load_qwen3_tokenizer
-
-    return load_qwen3_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def qwen_tiktoken():
     from eagle3data.qwen import qwen_tiktoken_encoding
 

@@ -12,19 +12,13 @@ from dataclasses import replace
 
 import pytest
 
-from eagle3data.profiles import QWEN3, SMOLLM2, Token, ToolCallTokens
+from eagle3data.profiles import QWEN3, SMOLLM2
 from eagle3data.reconstruct import (ApiTurn, measure_drift, rebuild_batch, tool_call,
                                     wilson_interval)
 
-# SmolLM2 has no think or tool-call tokens: this profile borrows its unused added tokens so
+# SmolLM2 has no think or tool-call tokens: SMOL_REASONING borrows its unused added tokens so
 # the reasoning, guard and Kimi-style tool-call paths run on that vocabulary too.
-SMOL_REASONING = replace(
-    SMOLLM2, name="smollm2-reasoning-standin", guard=Token("<|endoftext|>", 0),
-    reasoning_open=Token("<issue_start>", 8), reasoning_close=Token("<issue_closed>", 10),
-    tool_calls=ToolCallTokens(style="kimi", section_begin=Token("<jupyter_start>", 11),
-                              section_end=Token("<jupyter_output>", 14), call_begin=Token("<jupyter_text>", 12),
-                              argument_begin=Token("<jupyter_code>", 13), call_end=Token("<jupyter_script>", 15)),
-)
+from runfiles import SMOL_REASONING  # noqa: E402
 
 ADVERSARIAL = {
     "combining": "re\u0301sume\u0301 with a\u0308 and o\u0302",
@@ -35,13 +29,6 @@ ADVERSARIAL = {
     "code_tabs": "def f(x):\n\tfor i in range(x):\n\t\tprint(i)\t# tab\n",
     "im_end_in_code": "Use it like this:\n```python\nstop = '<|im_end|>'\n```\nDone.",
 }
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    from eagle3data.qwen import load_qwen3_tokenizer
-
-    return load_qwen3_tokenizer()
 
 
 @pytest.fixture(params=["smollm2", "qwen3"])

@@ -30,13 +30,6 @@ def test_drift_on_the_generated_run(ci_run, tmp_path, smollm2_tokenizer):
     assert (params.run_dir / "provenance" / "02_reconstruct.json").exists()
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    from eagle3data.qwen import load_qwen3_tokenizer
-
-    return load_qwen3_tokenizer()
-
-
 def test_api_records_are_rebuilt_beside_the_journal(tmp_path, qwen):
     params = load_params(REPO_PARAMS, {"output_root": str(tmp_path), "profile": "qwen3",
                                        "reconstruct.count_tolerance": 0.05})

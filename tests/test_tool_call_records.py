@@ -30,13 +30,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    from eagle3data.qwen import load_qwen3_tokenizer
-
-    return load_qwen3_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def kimi():
     from synthetic import SyntheticTokenizer
 

@@ -94,13 +94,6 @@ def _params(tmp_path: Path, profile: str = "qwen3", model_path: str = "/models/t
     return load_params(REPO / "params" / "ci.yaml", o)
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    from eagle3data.qwen import load_qwen3_tokenizer
-
-    return load_qwen3_tokenizer()
-
-
 def enc(tok, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
