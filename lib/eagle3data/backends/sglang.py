@@ -27,9 +27,26 @@ def _norm(name: str | None) -> str | None:
     return str(name).rstrip("/").split("/")[-1].lower()
 
 
+def model_names(model: Any) -> set[str]:
+    """The params' model as a server may name it: name, path and tokenizer path, normalised (`_norm`)."""
+    return {n for n in (_norm(model.name), _norm(model.path), _norm(model.tokenizer_path)) if n is not None}
+
+
+def engine_sampling(s: Any, profile: Profile) -> dict[str, Any]:
+    """The sampling fields an exact-id engine (SGLang, vLLM) takes as they are: stop on the profile's ids,
+    special tokens kept in its text; top_k / min_p only when set. Each backend adds its own names."""
+    sp: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "skip_special_tokens": False,
+                          "stop_token_ids": list(profile.stop_ids)}
+    if s.top_k is not None:
+        sp["top_k"] = s.top_k
+    if s.min_p is not None:
+        sp["min_p"] = s.min_p
+    return sp
+
+
 def model_matches(info: dict[str, Any], model: Any) -> bool:
     """True when the server's model or tokenizer path names the params' model (name, path or tokenizer)."""
-    ours = {_norm(model.name), _norm(model.path), _norm(model.tokenizer_path)} - {None}
+    ours = model_names(model)
     theirs = {_norm(info.get("model_path")), _norm(info.get("tokenizer_path")), _norm(info.get("served_model_name"))}
     return bool(ours & (theirs - {None}))
 
@@ -46,14 +63,7 @@ class SGLangBackend:
         self.tokenizer = tokenizer
         self.batch_size = params.generate.sglang.batch_size
         s = params.generate.sampling
-        sp: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                              "skip_special_tokens": False, "no_stop_trim": True,
-                              "stop_token_ids": list(profile.stop_ids)}
-        if s.top_k is not None:
-            sp["top_k"] = s.top_k
-        if s.min_p is not None:
-            sp["min_p"] = s.min_p
-        self.sampling_params = sp
+        self.sampling_params = {"max_new_tokens": s.max_new_tokens, "no_stop_trim": True, **engine_sampling(s, profile)}
         self.sampling = s.model_dump(exclude_none=True)
 
     def headers(self) -> dict[str, str]:

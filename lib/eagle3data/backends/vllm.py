@@ -25,7 +25,7 @@ import orjson
 from ..profiles import Profile
 from ..spans import output_texts
 from .engine import GenerateError, Job, ResponseError, record_dict
-from .sglang import _norm
+from .sglang import _norm, engine_sampling, model_names
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -39,8 +39,7 @@ def served_model(listing: dict[str, Any], params: Any) -> tuple[str | None, dict
         return want, next((e for e in entries if e["id"] == want), None)
     if len(entries) == 1:
         return entries[0]["id"], entries[0]
-    m = params.model
-    ours = {_norm(m.name), _norm(m.path), _norm(m.tokenizer_path)} - {None}
+    ours = model_names(params.model)
     hits = [e for e in entries if {_norm(e.get("id")), _norm(e.get("root"))} & ours]
     return (hits[0]["id"], hits[0]) if len(hits) == 1 else (None, None)
 
@@ -58,14 +57,8 @@ class VLLMBackend:
         self.v = params.generate.vllm
         self.batch_size = self.v.batch_size
         s = params.generate.sampling
-        body: dict[str, Any] = {"max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                                "seed": s.seed, "stop_token_ids": list(profile.stop_ids), "return_token_ids": True,
-                                "skip_special_tokens": False, "include_stop_str_in_output": True}
-        if s.top_k is not None:
-            body["top_k"] = s.top_k
-        if s.min_p is not None:
-            body["min_p"] = s.min_p
-        self.base = body
+        self.base = {"max_tokens": s.max_new_tokens, "seed": s.seed, "return_token_ids": True,
+                     "include_stop_str_in_output": True, **engine_sampling(s, profile)}
         self.model_name = self.v.model
         self.sampling = s.model_dump(exclude_none=True)
 
