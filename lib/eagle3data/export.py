@@ -26,7 +26,7 @@ from typing import Any, Iterable, Literal
 import numpy as np
 import orjson
 
-from .reader import RunFileError, Sample, read_run
+from .reader import RunFileError, Sample, SampleKey, read_run
 from .vocab import (DraftVocab, VocabError, build_draft_vocab, coverage_curve, load_draft_vocab,  # noqa: F401
                     output_token_counts, save_draft_vocab)
 
@@ -129,7 +129,7 @@ def _check_index(hdir: Path, mix: Any) -> None:
     if not path.exists():
         return
     t = pq.read_table(path, columns=["dataset", "sample_id"]).to_pydict()
-    stored = [f"{d}/{s}" for d, s in zip(t["dataset"], t["sample_id"])]
+    stored = [str(SampleKey(str(d), str(s))) for d, s in zip(t["dataset"], t["sample_id"])]
     want = [str(s.key) for s in mix.samples]
     if stored != want:
         first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))
