@@ -215,3 +215,119 @@ def test_bad_weights_are_params_errors(tmp_path, weights, message):
 
     with pytest.raises(ParamsError, match=message):
         _params(tmp_path, **{"hidden.dataset_weights": weights})
+
+
+# ---------------------------------------------------------------- turn records (generate.turns: all)
+# Two Qwen3-like conversations and a plain record. A turn's prompt holds the earlier turns as the
+# template renders them: turn 1 repeats turn 0's whole sequence (an answer with no reasoning to drop),
+# turn 2's history drops turn 1's reasoning (ids 60 .. 61), so it shares only turn 1's prompt and
+# the reasoning-open id with turn 1's sequence.
+P0, O0 = [1, 2, 3], [60, 61, 10, 2]  # <think></think> answer <eot>
+P1 = P0 + O0 + [4, 5, 60]  # + user turn + generation prompt
+O1 = [70, 71, 61, 11, 2]  # reasoning, </think>, answer
+P2 = P1 + [61, 11, 2] + [6, 7, 60]  # turn 1 rendered without its reasoning (70, 71)
+O2 = [72, 61, 12, 2]
+
+
+def _turn(ds, sid, t, prompt, output, **kw):
+    return _rec(ds, sid, prompt=prompt, output=output, turn=t, messages=[{"role": "user", "content": f"é {t} ✓"}],
+                **kw)
+
+
+_TURN_DATASETS = [{"name": "b6_ultrachat", "path": "builtin:b6_ultrachat", "turns": "all"},
+                  {"name": "b7_sharegpt", "path": "builtin:b7_sharegpt", "turns": "all"}]
+
+
+def _turn_params(root: Path, **over):
+    return _params(root, datasets=_TURN_DATASETS, **over)
+
+
+@pytest.fixture
+def turns_run(tmp_path):
+    p = _turn_params(tmp_path)
+    rd = p.run_dir
+    _write(rd / "records" / "b6_ultrachat.jsonl", [
+        _turn("b6_ultrachat", 11, 0, P0, O0),
+        _turn("b6_ultrachat", 12, 0, [8] + P0[1:], O0),
+        _turn("b6_ultrachat", 11, 1, P1, O1),
+        _turn("b6_ultrachat", 12, 1, [8] + P1[1:], O1, conversation_end="done"),  # fails the audit below
+        _turn("b6_ultrachat", 11, 2, P2, None, finish_reason="error", error="boom"),  # retried below
+        _turn("b6_ultrachat", 11, 2, P2, O2, conversation_end="done"),
+        _rec("b6_ultrachat", 13, prompt=(9, 9), output=(14, 2)),  # a record without turns (turns: last)
+    ])
+    _write(rd / "records" / "b7_sharegpt.jsonl", [
+        _turn("b7_sharegpt", "x/1", 0, [5] + P0, O0),
+        _turn("b7_sharegpt", "x/1", 1, [5] + P1, O1),
+        _turn("b7_sharegpt", "x/1", 2, [5] + P2, None, finish_reason="error", error="server gone",
+              conversation_end="error: turn 2: server gone"),  # the conversation's final turn never came
+    ])
+    return p
+
+
+def _turn_keys(mix) -> list[str]:
+    return sorted(str(s.key) for s in mix.samples)
+
+
+def test_each_turn_is_its_own_sequence_and_the_manifest_says_what_turns_cost(turns_run):
+    mix = build_mix(turns_run)
+    assert _turn_keys(mix) == ["b6_ultrachat/11#0", "b6_ultrachat/11#1", "b6_ultrachat/11#2", "b6_ultrachat/12#0",
+                               "b6_ultrachat/12#1", "b6_ultrachat/13", "b7_sharegpt/x/1#0", "b7_sharegpt/x/1#1"]
+    by = {s.key: s for s in mix.samples}
+    assert by["b6_ultrachat/11#2"].input_ids == P2 + O2
+    assert by["b6_ultrachat/11#2"].loss_mask == [0] * len(P2) + [1] * len(O2)
+    # turn 1 repeats turn 0's whole sequence (7 tokens); turn 2 shares turn 1's prompt + nothing of its reasoning
+    # (P1 is a prefix of P2, then 61 vs O1's 70): len(P1) = 10 tokens stored again
+    assert len(P0 + O0) == 7 and len(P1) == 10
+    t = mix.manifest["turns"]
+    turn_tokens = sum(len(by[k].input_ids) for k in by if "#" in k)
+    assert t == {"turn_samples": 7, "conversations": 3, "tokens": turn_tokens,
+                 "repeated_prefix_tokens": (7 + 10) + 7 + 8,  # conversation 11, 12, x/1 (its prompts start with 5)
+                 "last_turn_samples": 3,
+                 "last_turn_tokens": len(P2 + O2) + len(P1 + O1) + len(P1 + O1) + 1}
+    assert mix.manifest["settings"]["train_turns"] == "all"
+    assert {d["reason"] for d in mix.dropped} == {"superseded", "error"}
+
+
+def test_train_turns_last_keeps_each_conversations_last_usable_turn(turns_run):
+    _write(turns_run.run_dir / "audit" / "verdicts.jsonl", [
+        {"dataset": d, "sample_id": s, "turn": t, "failed": ["ends_with_end_of_turn"] if (s, t) == (12, 1) else [],
+         "truncated": False}
+        for d, s, t in [("b6_ultrachat", 11, 0), ("b6_ultrachat", 11, 1), ("b6_ultrachat", 11, 2),
+                        ("b6_ultrachat", 12, 0), ("b6_ultrachat", 12, 1), ("b7_sharegpt", "x/1", 0),
+                        ("b7_sharegpt", "x/1", 1), ("b7_sharegpt", "x/1", 2)]
+    ] + [{"dataset": "b6_ultrachat", "sample_id": 13, "failed": [], "truncated": False}])
+    p = _turn_params(turns_run.output_root, **{"hidden.train_turns": "last"})
+    mix = build_mix(p)
+    # 11: its final turn 2 (the retried error superseded); 12: turn 1 failed the audit, so turn 0;
+    # x/1: turn 2 is an error, so turn 1; 13 has no turns and stays
+    assert _turn_keys(mix) == ["b6_ultrachat/11#2", "b6_ultrachat/12#0", "b6_ultrachat/13", "b7_sharegpt/x/1#1"]
+    reasons = sorted((d["sample_id"], d["reason"], d.get("last_turn")) for d in mix.dropped)
+    assert reasons == [("11#0", "earlier_turn", 2), ("11#1", "earlier_turn", 2), ("11#2", "superseded", None),
+                       ("12#1", "audit_failed", None), ("x/1#0", "earlier_turn", 1), ("x/1#2", "error", None)]
+    m = mix.manifest
+    assert m["samples"] + len(mix.dropped) == m["records_read"] == 10  # one reason per dropped line
+    assert m["dropped_counts"]["b6_ultrachat"] == {"earlier_turn": 2, "superseded": 1, "audit_failed": 1}
+    assert m["drop_reasons"]["earlier_turn"].endswith("(hidden.train_turns: last)")
+    assert m["settings"]["train_turns"] == "last"
+    # one sequence per conversation: nothing of a stored sequence is stored again
+    assert m["turns"]["repeated_prefix_tokens"] == 0 and m["turns"]["turn_samples"] == m["turns"]["conversations"] == 3
+    # the same records and params give the same mix
+    assert [s.key for s in build_mix(p, write=False).samples] == [s.key for s in mix.samples]
+
+
+def test_export_follows_the_last_turn_mix(turns_run):
+    from eagle3data.export import select_samples
+
+    p = _turn_params(turns_run.output_root, **{"hidden.train_turns": "last"})
+    built = select_samples(p)  # no hidden/mix.parquet: built with the mix rule
+    mix = build_mix(p)  # written: 05 reads 04's mix
+    read = select_samples(p)
+    assert [s.key for s in read.samples] == [s.key for s in mix.samples] == [s.key for s in built.samples]
+    assert sorted((d["sample_id"], d["reason"]) for d in read.skipped if d["reason"] == "earlier_turn") == [
+        ("11#0", "earlier_turn"), ("11#1", "earlier_turn"), ("12#0", "earlier_turn"), ("x/1#0", "earlier_turn")]
+    assert all(s.record["turn"] == 2 for s in read.samples if s.key.startswith("b6_ultrachat/11#"))
+
+
+def test_train_turns_is_checked():
+    with pytest.raises(Exception, match="train_turns"):
+        load_params(REPO / "params" / "ci.yaml", {"hidden.train_turns": "first"})

@@ -6,6 +6,7 @@ This is the one selection rule: 04 extracts exactly the mix and 05 exports exact
 key is its latest line, superseded lines are dropped as such; exact ids from 01, rebuilt ids
 for API records from 02), drops real duplicates and sequences longer than the model's
 context, keeps only records that passed 03's audit (unless `hidden.include_failed`), drops
+keeps one turn per conversation when `hidden.train_turns` is `last`, drops
 duplicate sequences, applies per-dataset caps, then per-dataset weights
 (the largest mix whose datasets hold the asked shares of tokens or samples, no sample
 repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample: ids,
@@ -29,7 +30,7 @@ from .reader import RunFileError, RunView, Sample, SampleKey, read_run
 from .reconstruct import PROOF_RANK
 
 __all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "build_mix", "hidden_dir",
-           "read_mix", "source_sequences", "tmp_tag", "write_mix"]
+           "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]
 
 MIX_FILE = "mix.parquet"
 MANIFEST_FILE = "mix_manifest.json"
@@ -47,6 +48,7 @@ DROP_REASONS = {
     "not_audited": "no 03_audit verdict although the audit ran",
     "audit_failed": "failed a 03_audit check (hidden.include_failed is off)",
     "proof_too_low": "rebuilt API ids whose 02 proof level is below hidden.min_proof_level",
+    "earlier_turn": "a turn of a conversation below its last usable turn (hidden.train_turns: last)",
     "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
     "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
     "over_weight": "beyond the dataset's share (hidden.dataset_weights), chosen by the seeded shuffle",
@@ -132,6 +134,15 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
 
     `max_context`: the longest sequence the model takes (`models.context_limit`); longer
     samples are dropped as `too_long`. None: no limit applied.
+
+    Turn records (`generate.turns: all`: one record, one sample per turn, key `dataset/sample_id#turn`)
+    are sequences like any other: each is its prompt ids + its output ids, loss on the output.
+    With `hidden.train_turns: last` only the conversation's **last usable turn** stays: the highest
+    turn that passed every per-record rule above it (error, ids, length, truncation, audit, proof),
+    so a conversation whose final turn failed the audit or ended in an error still gives its last
+    good turn (whose prompt holds the model's own earlier turns). The others are dropped as
+    `earlier_turn` (with `last_turn`, the turn kept). Dedupe, caps and weights then count that one
+    sequence per conversation. Records without a `turn` are not affected.
     """
     hp = params.hidden
     names = _chosen(params)
@@ -141,6 +152,7 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
     per_dataset: dict[str, list[Sample]] = {}
     seen_ids: dict[bytes, str] = {}
     records_read = 0
+    conv_of: dict[SampleKey, tuple[str, int]] = {}  # a turn sample's conversation (sample_id) and turn
 
     def drop(rec_or_s: Any, reason: str, **extra: Any) -> None:
         key = rec_or_s.key if isinstance(rec_or_s, Sample) else SampleKey.of(rec_or_s)
@@ -185,7 +197,12 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
             if level is not None and PROOF_RANK.get(level, -1) < PROOF_RANK[hp.min_proof_level]:
                 drop(rec, "proof_too_low", proof_level=level)
                 continue
+            turn = rec.get("turn")
+            if turn is not None and turn == turn:
+                conv_of[s.key] = (str(rec["sample_id"]), int(turn))
             cands.append(s)
+        if hp.train_turns == "last":
+            cands = _last_turns(cands, conv_of, drop)
         # deterministic order before dedupe/caps: journals are in completion order
         cands.sort(key=lambda s: _sort_key(s.sample_id))
         uniq: list[Sample] = []
@@ -204,13 +221,65 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
 
     shares = _apply_weights(params, per_dataset, drop) if hp.dataset_weights else None
     kept = [s for name in per_dataset for s in per_dataset[name]]
+    turns = turn_figures(kept, conv_of)
     order = np.random.default_rng(hp.seed).permutation(len(kept))
     samples = [kept[i] for i in order]
     manifest = _manifest(params, samples, dropped, verdicts is not None, records_read, shares, max_context)
+    manifest["turns"] = turns
     mix = Mix(samples, manifest, dropped=dropped, view=view)
     if write:
         mix.path = write_mix(mix, hidden_dir(params))
     return mix
+
+
+def _last_turns(cands: list[Sample], conv_of: dict[SampleKey, tuple[str, int]], drop: Any) -> list[Sample]:
+    """`hidden.train_turns: last`: per conversation, its highest remaining turn; the others `earlier_turn`."""
+    last: dict[str, int] = {}
+    for s in cands:
+        if s.key in conv_of:
+            conv, t = conv_of[s.key]
+            last[conv] = max(t, last.get(conv, t))
+    out = []
+    for s in cands:
+        if s.key in conv_of and conv_of[s.key][1] < last[conv_of[s.key][0]]:
+            drop(s, "earlier_turn", last_turn=last[conv_of[s.key][0]])
+            continue
+        out.append(s)
+    return out
+
+
+def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two id arrays."""
+    n = min(len(a), len(b))
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if len(neq) else n
+
+
+def turn_figures(samples: list[Sample], conv_of: dict[SampleKey, tuple[str, int]]) -> dict[str, int]:
+    """What per-turn sequences cost in the mix: a turn's sequence starts with (most of) the earlier turns'.
+
+    Over the turn samples among `samples` (`conv_of`: sample key -> (conversation, turn)):
+    `turn_samples`, `conversations`, `tokens` (all their tokens), `repeated_prefix_tokens` (per
+    turn, the longest prefix it shares with an earlier turn's sequence of the same conversation in
+    the mix: positions whose hidden states are stored again, identical, since a state depends only
+    on the tokens up to it), and `last_turn_samples` / `last_turn_tokens` (each conversation's
+    highest turn in the mix: what `hidden.train_turns: last` keeps, before dedupe, caps and weights).
+    """
+    convs: dict[tuple[str, str], list[tuple[int, Sample]]] = {}
+    for s in samples:
+        if s.key in conv_of:
+            conv, t = conv_of[s.key]
+            convs.setdefault((s.dataset, conv), []).append((t, s))
+    tokens = repeated = last_tokens = 0
+    for turns in convs.values():
+        turns.sort(key=lambda x: x[0])
+        arrays = [np.asarray(s.input_ids, dtype=np.int64) for _, s in turns]
+        for j, a in enumerate(arrays):
+            tokens += len(a)
+            repeated += max((_shared_prefix(a, b) for b in arrays[:j]), default=0)
+        last_tokens += len(arrays[-1])
+    return {"turn_samples": sum(len(v) for v in convs.values()), "conversations": len(convs), "tokens": tokens,
+            "repeated_prefix_tokens": repeated, "last_turn_samples": len(convs), "last_turn_tokens": last_tokens}
 
 
 def _size(s: Sample, unit: str) -> int:
@@ -314,7 +383,8 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
         "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "dataset_weights": hp.dataset_weights,
                      "weight_unit": hp.weight_unit, "datasets": _chosen(params),
                      "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
-                     "dedupe": hp.dedupe, "max_context": max_context, "min_proof_level": hp.min_proof_level},
+                     "dedupe": hp.dedupe, "max_context": max_context, "min_proof_level": hp.min_proof_level,
+                     "train_turns": hp.train_turns},
         "datasets": per,
         "weights": shares,
         "dropped_counts": drops,

@@ -248,6 +248,13 @@ class HiddenParams(Strict):
                     "count > text > failed). Records with engine ids are never dropped by it; rebuilt lines without "
                     "a proof level (written before levels existed) are let in.",
     )
+    train_turns: Literal["all", "last"] = Field(
+        "all",
+        description="For conversations regenerated turn by turn (records with a `turn`): `all` trains every turn "
+                    "(each turn record is its own sequence: its prompt ids + its output ids, loss on the output); "
+                    "`last` keeps one sequence per conversation, its highest turn that passed every other rule of "
+                    "the mix (drop reason `earlier_turn` for the others). Records without a turn are not affected.",
+    )
     out_dir: str | None = Field(
         None, description="Folder for the mix, shards and index (default `<run>/hidden/`), e.g. a large scratch disk."
     )
