@@ -108,3 +108,76 @@ def test_an_interrupt_that_is_not_a_stop_request_propagates(params, smollm2_toke
         raise KeyboardInterrupt  # e.g. raised by code of the user's, not by our signal handler
     with pytest.raises(KeyboardInterrupt):
         run_generate(params, progress=False, model=ScriptedModel(boom), tokenizer=smollm2_tokenizer)
+
+
+class BatchLog(ScriptedModel):
+    """A ScriptedModel that keeps each batch's prompts (decoded), to see what went into which batch."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tok, self.batches = tokenizer, []
+
+    def generate(self, input_ids, attention_mask, **kw):
+        self.batches.append([self.tok.decode(row[m.bool()].tolist()) for row, m in zip(input_ids, attention_mask)])
+        return super().generate(input_ids, attention_mask, **kw)
+
+
+def _prompt_file(path: Path, n: int, word: str) -> Path:
+    """n one-turn prompts (one letter differs), sample ids 0..n-1."""
+    import orjson
+
+    rows = [orjson.dumps({"sample_id": i, "messages": [{"role": "user", "content": f"{word} {'abcdefgh'[i]}?"}]})
+            for i in range(n)]
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    return path
+
+
+def test_batches_stay_full_when_a_budget_skips_prompts(tmp_path, smollm2_tokenizer):
+    """One batch loop: a prompt whose dataset reached its budget leaves its place in the batch to the next
+    prompt. `a` (budget 1 token) is cut after its first batch, as before: two records of `a` (the first
+    batch is always sent), the third skipped; `b`'s four prompts then fill two batches of two. (The loop
+    that kept fixed slices of the queue cut the same records but sent batches of 2, 1, 2, 1.)"""
+    datasets = [{"name": "a", "path": str(_prompt_file(tmp_path / "a.jsonl", 3, "Apple")), "token_budget": 1},
+                {"name": "b", "path": str(_prompt_file(tmp_path / "b.jsonl", 4, "Berry"))}]
+    params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path / "out"), "datasets": datasets,
+                                                       "generate.batch_size": 2})
+    model = BatchLog(smollm2_tokenizer)
+    s = run_generate(params, progress=False, model=model, tokenizer=smollm2_tokenizer)
+    assert s.status == "finished" and s.new_records == 6
+    assert [len(b) for b in model.batches] == [2, 2, 2]  # full batches: the skipped a/2 left no hole
+    which = [["Apple" if "Apple" in p else "Berry" for p in b] for b in model.batches]
+    assert which == [["Apple", "Apple"], ["Berry", "Berry"], ["Berry", "Berry"]]
+    keys = journaled(params)
+    assert set(keys.values()) == {1} and len(keys) == 6
+    sent_a = {sid for d, sid in keys if d == "a"}
+    led = assert_ledger_adds_up(params.run_dir)
+    a, b = led["datasets"]["a"], led["datasets"]["b"]
+    assert a["budget_reached"] and (a["planned"], a["done"], a["skipped"]) == (3, 2, 1)
+    assert len(sent_a) == 2 and set(a["skipped_ids"]) == {0, 1, 2} - sent_a
+    assert (b["planned"], b["done"], b["skipped"]) == (4, 4, 0)
+    # resume: the budget is still spent, nothing is sent again, a/2 stays skipped
+    again = run_generate(params, progress=False, model=BatchLog(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    assert again.new_records == 0 and sum(journaled(params).values()) == 6
+
+
+def test_a_stop_while_a_budget_skips_still_finishes_the_batch(tmp_path, smollm2_tokenizer):
+    """STOP during the second batch (which a budget skip had to refill): that batch is journaled whole, the
+    rest is skipped (never sent), and resume sends exactly the rest, in full batches."""
+    datasets = [{"name": "a", "path": str(_prompt_file(tmp_path / "a.jsonl", 3, "Apple")), "token_budget": 1},
+                {"name": "b", "path": str(_prompt_file(tmp_path / "b.jsonl", 4, "Berry"))}]
+    over = {"output_root": str(tmp_path / "out"), "datasets": datasets, "generate.batch_size": 2}
+    params = load_params(REPO / "params" / "ci.yaml", over)
+    stop = params.run_dir / "STOP"
+    model = BatchLog(smollm2_tokenizer)
+    model.hook = lambda n: stop.touch() if n == 2 else None
+    s = run_generate(params, progress=False, model=model, tokenizer=smollm2_tokenizer)
+    assert s.status == "stopped" and "STOP file" in s.stop_reason and s.new_records == 4
+    assert [len(b) for b in model.batches] == [2, 2]
+    led = assert_ledger_adds_up(params.run_dir)
+    assert ledger_totals(led) == {"planned": 7, "done": 4, "skipped": 3}  # a/2 (budget), b/2 and b/3 (the stop)
+    stop.unlink()
+    again = BatchLog(smollm2_tokenizer)
+    s2 = run_generate(params, progress=False, model=again, tokenizer=smollm2_tokenizer)
+    assert s2.status == "finished" and s2.new_records == 2 and [len(b) for b in again.batches] == [2]
+    keys = journaled(params)
+    assert set(keys.values()) == {1} and len(keys) == 6 and sum(d == "b" for d, _ in keys) == 4

@@ -277,6 +277,34 @@ def test_max_turns_and_budget_cut_at_turn_granularity(qwen, tmp_path):
     assert s.table().loc["d0", "missing"] == 0
 
 
+def test_local_stop_between_turns_then_resume(qwen, tmp_path):
+    """A STOP file while the first batch of turns is generated: that batch is journaled whole, the turns it
+    would have led to are not sent (counted skipped, their conversations go on at resume), and resume
+    finishes every conversation on-policy with every turn once."""
+    params = _params(tmp_path, **{"generate.batch_size": 2})
+    stop = params.run_dir / "STOP"
+    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    calls = []
+
+    def script(p):
+        if not calls:
+            stop.touch()  # during the first batch
+        calls.append(1)
+        return qwen_reply(qwen, p)
+
+    model.script = script
+    s = run_generate(params, progress=False, model=model, tokenizer=qwen)
+    assert s.status == "stopped" and "STOP file" in s.stop_reason and s.new_records == 2 and len(model.prompts) == 2
+    led = read_ledger(params.run_dir)["datasets"]["d0"]
+    assert led["done"] == 2 and led["done"] + led["skipped"] == led["planned"]
+    assert all(r["turn"] == 0 for r in _records(params))
+    stop.unlink()
+    again = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    s2 = run_generate(params, progress=False, model=again, tokenizer=qwen)
+    assert s2.status == "finished" and s2.new_records == sum(TURNS.values()) - 2
+    _check_on_policy_run(params, qwen)
+
+
 def test_sglang_turn_by_turn_requests_hold_the_models_own_replies(qwen, tmp_path):
     with LoopbackServer("sglang", model_path="/models/target", eot_id=QWEN3.end_of_turn.id) as srv:
         srv.script = lambda prompt_ids: qwen_reply(qwen, prompt_ids)

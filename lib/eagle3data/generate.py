@@ -4,7 +4,8 @@
 journal already holds (resume keyed by `(dataset, sample_id)`; a torn last line is cut off
 and reported), and generates with the backend named in params:
 
-- `local`: batched in-process generation; exact ids. A first SIGINT/SIGTERM or a `STOP` file
+- `local`: batched in-process generation; exact ids. Batches are filled with prompts that are sent
+  (one a budget skips leaves its place to the next). A first SIGINT/SIGTERM or a `STOP` file
   stops after the batch in progress is journaled; a second signal drops that batch.
 - `sglang`: the native `/generate` endpoint with pre-templated `input_ids`; exact ids.
 - `vllm`: vLLM's `/v1/completions` with pre-templated token-id prompts and `return_token_ids`;
@@ -312,83 +313,6 @@ class _LocalStop:
         return self.reason is not None
 
 
-
-def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
-               progress: bool) -> tuple[int, str, str | None]:
-    """Generate the pending samples batch by batch; (new records, status, stop reason)."""
-    from .backends.local import LocalBackend
-    from .models import model_for
-    from .progress import Progress, generate_figures, generate_line
-
-    run_dir = params.run_dir
-    ledger = plan.ledger
-    pending = sorted(plan.pending, key=lambda x: len(x[1]))  # similar lengths together: less padding per batch
-    budgets = {d.name: d.token_budget for d in params.datasets}
-    counts = params.generate.budget_counts
-    new = 0
-    if not pending:
-        return 0, "finished", None
-    model = model or model_for(params)
-    backend = LocalBackend(model, tokenizer, profile, params.generate.sampling, params.generate.batch_size)
-    journals: dict[str, Journal] = {}
-    live = Progress(progress, run_dir=run_dir, stage="01_generate")
-    t_start = time.monotonic()
-
-    def show(final: bool = False) -> None:
-        f = generate_figures(ledger, counts=counts, elapsed_s=time.monotonic() - t_start, session_done=new,
-                             stop_reason=stop.reason)
-        live.update(generate_line(f, final=final), final=final, figures=f)
-
-    stop = _LocalStop(run_dir / "STOP")
-    show()
-    bs = params.generate.batch_size
-    done_upto = 0  # pending[:done_upto] is journaled or skipped by a budget
-    chunk: list[tuple[Prompt, list[int]]] = []
-    try:
-        with _stop_signals(stop.on_signal):
-            for i in range(0, len(pending), bs):
-                if stop.requested():
-                    break
-                chunk = []
-                for p, ids in pending[i: i + bs]:
-                    b = budgets.get(p.dataset)
-                    if b is not None and ledger[p.dataset].tokens(counts) >= b:
-                        ledger[p.dataset].budget_reached = True
-                        ledger[p.dataset].skip(p.sample_id)
-                    else:
-                        chunk.append((p, ids))
-                if chunk:
-                    stop.in_batch = True
-                    results = backend.generate_batch([ids for _, ids in chunk])
-                    stop.in_batch = False
-                    for (p, ids), res in zip(chunk, results):
-                        rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
-                        j = journals.get(p.dataset) or journals.setdefault(
-                            p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
-                        j.write(rec)
-                        ledger[p.dataset].add_record(rec)
-                        new += 1
-                chunk = []
-                done_upto = min(i + bs, len(pending))
-                write_ledger(run_dir, ledger, "running", {"source": "local"})
-                show()
-    except KeyboardInterrupt:
-        if not stop.cancelled:
-            raise  # not ours (e.g. a notebook's interrupt outside the handlers' reach)
-        for p, _ in chunk:  # the batch that was dropped
-            ledger[p.dataset].cancel(p.sample_id)
-        done_upto = min(done_upto + bs, len(pending))
-    finally:
-        for j in journals.values():
-            j.close()
-    for p, _ in pending[done_upto:]:  # never sent: a stop came first
-        ledger[p.dataset].skip(p.sample_id)
-    show(final=True)
-    if stop.reason is None:
-        return new, "finished", None
-    return new, "cancelled" if stop.cancelled else "stopped", stop.reason
-
-
 def _end_turn(conv: Conversation, rec: dict[str, Any], led: DatasetLedger) -> str | None:
     """Take a turn's record into its conversation; when that ends it, the reason goes into the record."""
     end = conv.advance(rec)
@@ -398,10 +322,17 @@ def _end_turn(conv: Conversation, rec: dict[str, Any], led: DatasetLedger) -> st
     return end
 
 
-def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
-                     progress: bool) -> tuple[int, str, str | None]:
-    """turns: all on the local backend: batches of conversations' next turns; a conversation's next turn
-    is templated from its history once the turn before it is journaled. (new records, status, stop reason)"""
+def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
+               progress: bool) -> tuple[int, str, str | None]:
+    """The local backend's one batch loop; (new records, status, stop reason).
+
+    The queue holds the pending prompts, shortest first (similar lengths together: less padding per
+    batch). Each batch is filled with up to `batch_size` prompts that are sent: a prompt whose dataset
+    has reached its token budget is skipped as it comes off the queue and the next one takes its place,
+    so batches stay full. With turns: all, a conversation's next turn is templated from its history once
+    the turn before it is journaled, and joins the queue (a `turns: last` prompt has no conversation).
+    A stop (signal or STOP file) is looked at between batches: the batch in progress is journaled first.
+    """
     from collections import deque
 
     from .backends.local import LocalBackend
@@ -410,7 +341,7 @@ def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: 
 
     run_dir = params.run_dir
     ledger = plan.ledger
-    queue = deque(sorted(plan.pending, key=lambda x: len(x[1])))  # similar lengths together, as _run_local does
+    queue = deque(sorted(plan.pending, key=lambda x: len(x[1])))  # similar lengths together
     budgets = {d.name: d.token_budget for d in params.datasets}
     counts = params.generate.budget_counts
     new = 0
@@ -481,7 +412,7 @@ def _run_local_turns(params: RunParams, plan: RunPlan, profile: Any, tokenizer: 
                 show()
     except KeyboardInterrupt:
         if not stop.cancelled:
-            raise
+            raise  # not ours (e.g. a notebook's interrupt outside the handlers' reach)
         for p, _, _ in chunk:  # the batch that was dropped
             ledger[p.dataset].cancel(p.sample_id)
     finally:
@@ -626,8 +557,7 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     write_ledger(run_dir, plan.ledger, "running",
                  {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
     if backend == "local":
-        run_local = _run_local_turns if "all" in turns_by_dataset(params).values() else _run_local
-        new, status, reason = run_local(params, plan, profile, tokenizer, model, progress)
+        new, status, reason = _run_local(params, plan, profile, tokenizer, model, progress)
         write_ledger(run_dir, plan.ledger, status, {"source": "local", "stop_reason": reason,
                                                     "torn_tail_bytes_repaired": plan.torn_tail_bytes})
         if reason and progress:
