@@ -255,3 +255,42 @@ def test_rank_and_world_size_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("RANK", "4")
     with pytest.raises(HiddenError, match="RANK=4"):
         H.dist_env()
+
+
+def test_estimate_says_what_per_turn_sequences_cost(tmp_path, monkeypatch):
+    """Turn records store the conversation so far again per turn: the estimate counts those tokens and bytes,
+    and what `hidden.train_turns: last` would store, which is what a `last` mix then holds."""
+    from runfiles import make_record, write_jsonl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    over = {"output_root": str(tmp_path), "hidden.probe_batches": 0,
+            "datasets": [{"name": "b6_ultrachat", "path": "builtin:b6_ultrachat", "turns": "all"}]}
+    p0, o0 = [1, 2, 3], [60, 61, 10, 2]
+    p1, o1 = p0 + o0 + [4, 5, 60], [70, 71, 61, 11, 2]
+    p2, o2 = p1 + [61, 11, 2, 6, 7, 60], [72, 61, 12, 2]  # turn 1's reasoning (70, 71) dropped from the history
+    recs = [make_record("b6_ultrachat", "c1", p, o, turn=t, messages=[{"role": "user", "content": f"ça {t}"}])
+            for t, (p, o) in enumerate([(p0, o0), (p1, o1), (p2, o2)])]
+    recs += [make_record("b6_ultrachat", "c2", [9] + p0, o0, turn=0),
+             make_record("b6_ultrachat", "solo", (8, 8, 8), (13, 2))]
+    write_jsonl(tmp_path / "ci" / "records" / "b6_ultrachat.jsonl", recs)
+    est = H.estimate(load_params(REPO / "params" / "ci.yaml", over))
+    tc = est.turn_cost()
+    repeated = len(p0 + o0) + len(p1)  # turn 1 repeats turn 0's sequence; turn 2 turn 1's prompt
+    turn_tokens = len(p0 + o0) + len(p1 + o1) + len(p2 + o2) + len([9] + p0 + o0)
+    assert tc["turn_samples"] == 4 and tc["conversations"] == 2 and tc["tokens"] == turn_tokens
+    assert tc["repeated_prefix_tokens"] == repeated and tc["repeated_prefix_bytes"] == repeated * est.bytes_per_token
+    assert tc["last_turn_tokens"] == len(p2 + o2) + len([9] + p0 + o0) and tc["last_turn_samples"] == 2
+    rows = est.table()["value"]
+    assert rows["turn prefixes stored again: tokens (GB, share)"].startswith(f"{repeated:,} (")
+    assert rows["with hidden.train_turns: last: sequences, tokens (GB)"].startswith(f"2, {tc['last_turn_tokens']:,} (")
+    assert est.as_dict()["turns"]["repeated_prefix_tokens"] == repeated
+    # what the estimate says `last` would store is what the `last` mix stores (no caps here)
+    last = H.estimate(load_params(REPO / "params" / "ci.yaml", {**over, "hidden.train_turns": "last"}))
+    assert last.tokens == tc["last_turn_tokens"] + 5 and last.samples == 3
+    assert last.turn_cost()["repeated_prefix_tokens"] == 0
+    assert est.tokens == turn_tokens + 5
+    # a run without turn records: no turn figures, no turn rows
+    write_jsonl(tmp_path / "plain" / "ci" / "records" / "b6_ultrachat.jsonl", recs[-1:])
+    plain = H.estimate(load_params(REPO / "params" / "ci.yaml", {**over, "output_root": str(tmp_path / "plain")}))
+    assert plain.turn_cost() is None and plain.as_dict()["turns"] is None
+    assert not any(str(k).startswith(("turn", "with hidden.train_turns")) for k in plain.table().index)

@@ -317,8 +317,10 @@ def plan_work(params: RunParams, mix: Mix, config: Any, *, rank: int, world_size
     return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
 
 
-def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, capture: Capture | None = None) -> Estimate:
-    """Bytes (tokens x 4 x hidden x dtype + ids + mask) and, with a capture, time from a short probe."""
+def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, capture: Capture | None = None,
+                     mix: Mix | None = None) -> Estimate:
+    """Bytes (tokens x 4 x hidden x dtype + ids + mask) and, with a capture, time from a short probe;
+    with the mix, what its turn records cost (`Estimate.turn_cost`)."""
     hp = params.hidden
     hsize = int(text_config(config).hidden_size)
     bpt = bytes_per_token(hsize, hp.dtype, len(state_names(hp.final_state)), hp.layout)
@@ -326,7 +328,8 @@ def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, capture: Ca
     hdir = hidden_dir(params)
     est = Estimate(len(plan.todo), tokens, hsize, bpt, tokens * bpt, _free_bytes(hdir), hp.disk_margin,
                    layout=hp.layout, final_state=hp.final_state, dtype=hp.dtype,
-                   store_tokens=sum(len(s.input_ids) for _, s in plan.part))
+                   store_tokens=sum(len(s.input_ids) for _, s in plan.part),
+                   turns=None if mix is None else mix.manifest.get("turns"))
     if capture is not None and plan.todo:
         seqs = [s.input_ids for _, s in plan.todo]
         batches = plan_batches([len(x) for x in seqs], params.hidden.batch_tokens)
@@ -344,9 +347,9 @@ def estimate(params: RunParams, *, model: Any = None) -> Estimate:
     mix = build_mix(params, max_context=context_limit(params, config))
     plan = plan_work(params, mix, config, rank=rank, world_size=world, discard_partial=False)
     if model is None:
-        return estimate_extract(params, plan, config)
+        return estimate_extract(params, plan, config, mix=mix)
     with Capture(model, layer_plan(params, config), _torch_dtype(params.hidden.dtype), params.hidden.final_state) as cap:
-        return estimate_extract(params, plan, config, cap)
+        return estimate_extract(params, plan, config, cap, mix=mix)
 
 
 @dataclass
@@ -434,7 +437,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
         "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
     }
-    est = estimate_extract(params, plan, config)
+    est = estimate_extract(params, plan, config, mix=mix)
     check_disk(est, hdir)
     if plan.todo:
         model = model if model is not None else load_extract_model(params)

@@ -507,6 +507,23 @@ class Estimate:
     final_state: str = "both"
     dtype: str = "bfloat16"
     store_tokens: int | None = None  # tokens of the whole store (done + to do), for the hand-off figures
+    turns: dict[str, int] | None = None  # the mix's turn figures (`mix.turn_figures`, the whole mix), or None
+
+    def turn_cost(self) -> dict[str, Any] | None:
+        """What per-turn sequences cost in the whole mix (None when it holds no turn records).
+
+        A turn's prompt is the conversation so far, so its sequence starts with (most of) the earlier
+        turns' sequences: `repeated_prefix_tokens` are positions stored again, the same states (a
+        state depends only on the tokens up to it); `last_turn_*` is what `hidden.train_turns: last`
+        would store instead (each conversation's highest turn in the mix).
+        """
+        t = self.turns
+        if not t or not t.get("turn_samples"):
+            return None
+        return {**t, "repeated_prefix_bytes": t["repeated_prefix_tokens"] * self.bytes_per_token,
+                "turn_bytes": t["tokens"] * self.bytes_per_token,
+                "last_turn_bytes": t["last_turn_tokens"] * self.bytes_per_token,
+                "repeated_share": t["repeated_prefix_tokens"] / t["tokens"] if t["tokens"] else 0.0}
 
     def handoff(self) -> dict[str, int | None]:
         """Bytes the 05 hand-off to each trainer adds on top of the store (None: the store lacks its final state)."""
@@ -549,6 +566,17 @@ class Estimate:
                    else "hardlinks 04's files (same filesystem)" if b == 0 else "converts: a full second copy")
             rows[f"05 hand-off to {fmt} (extra GB)"] = None if b is None else round(b / 1e9, 4)
             rows[f"05 hand-off to {fmt}"] = how
+        tc = self.turn_cost()
+        if tc is not None:
+            rows |= {
+                "turn records in the mix (conversations)": f"{tc['turn_samples']:,} ({tc['conversations']:,})",
+                "turn records: tokens (GB)": f"{tc['tokens']:,} ({tc['turn_bytes'] / 1e9:.4f})",
+                "turn prefixes stored again: tokens (GB, share)": (
+                    f"{tc['repeated_prefix_tokens']:,} ({tc['repeated_prefix_bytes'] / 1e9:.4f}, "
+                    f"{tc['repeated_share']:.1%} of the turn tokens)"),
+                "with hidden.train_turns: last: sequences, tokens (GB)": (
+                    f"{tc['last_turn_samples']:,}, {tc['last_turn_tokens']:,} ({tc['last_turn_bytes'] / 1e9:.4f})"),
+            }
         rows |= {
             "probe tokens/s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
             "estimated time (min)": None if self.seconds is None else round(self.seconds / 60, 2),
@@ -560,7 +588,7 @@ class Estimate:
                 "bytes_per_token": self.bytes_per_token, "free_bytes": self.free_bytes, "fits": self.fits,
                 "probe_tokens_per_s": self.tokens_per_s, "estimated_seconds": self.seconds,
                 "layout": self.layout, "states": list(state_names(self.final_state)),
-                "handoff_extra_bytes": self.handoff()}
+                "handoff_extra_bytes": self.handoff(), "turns": self.turn_cost()}
 
 
 def check_disk(est: Estimate, where: Path) -> None:
