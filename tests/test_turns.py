@@ -323,13 +323,26 @@ def test_sglang_turn_by_turn_requests_hold_the_models_own_replies(qwen, tmp_path
             assert turns[t - 1]["content"] in text and "DATASET" not in text
 
 
-def test_openai_turns_send_earlier_replies_back_as_the_api_takes_them(qwen, tmp_path, monkeypatch):
+def _sent_reasoning(field: str | None, text: str) -> dict:
+    """What the assistant message of the history carries for its reasoning, per generate.openai.history_reasoning
+    (None: from the host; the loopback is not openrouter.ai, so `reasoning_content`)."""
+    if field == "none":
+        return {}
+    if field == "reasoning_details":
+        return {"reasoning_details": [{"type": "reasoning.text", "text": text, "format": "unknown", "index": 0}]}
+    return {field or "reasoning_content": text}
+
+
+@pytest.mark.parametrize("field", [None, "reasoning", "reasoning_details", "none"])
+def test_openai_turns_send_earlier_replies_back_as_the_api_takes_them(qwen, tmp_path, monkeypatch, field):
     monkeypatch.setenv(KEY_ENV, "sk-test")
     convs = {"w": CONVERSATIONS["w"], "c": CONVERSATIONS["c"][:4]}
     with LoopbackServer("openai") as srv:
+        api = {"base_url": srv.base_url, "model": "m", "api_key_env": KEY_ENV}
+        if field is not None:
+            api["history_reasoning"] = field
         params = _params(tmp_path, **{
-            "generate.backend": "openai", "generate.timeout_s": 10, "generate.concurrency": 2,
-            "generate.openai": {"base_url": srv.base_url, "model": "m", "api_key_env": KEY_ENV},
+            "generate.backend": "openai", "generate.timeout_s": 10, "generate.concurrency": 2, "generate.openai": api,
             "datasets": [{"name": "d0", "path": str(_prompts_file(tmp_path, convs, "own"))}]})
         s = run_generate(params, progress=False, tokenizer=qwen)
         sent = [r["body"] for r in srv.requests if r["path"] == "/chat/completions"]
@@ -350,13 +363,30 @@ def test_openai_turns_send_earlier_replies_back_as_the_api_takes_them(qwen, tmp_
     body = next(b for b in sent if len(b["messages"]) == len(w1["messages"]) and b.get("tools"))
     reply = body["messages"][-2]  # the model's own turn 0, as the API takes it back
     r0 = conv["w"][0]
-    assert reply == {"role": "assistant", "content": r0["content"], "reasoning": r0["reasoning"],
+    assert r0["reasoning"]
+    assert reply == {"role": "assistant", "content": r0["content"], **_sent_reasoning(field, r0["reasoning"]),
                      "tool_calls": r0["tool_calls"]}
+    c1_sent = next(b for b in sent if not b.get("tools") and len(b["messages"]) == 3)["messages"][1]
+    assert c1_sent == {"role": "assistant", "content": conv["c"][0]["content"],
+                       **_sent_reasoning(field, conv["c"][0]["reasoning"])}
+    # the journaled history keeps the template's key whatever the API was sent (prompt_ids rendered from it)
+    assert conv["w"][1]["messages"][-2]["reasoning_content"] == r0["reasoning"]
     assert body["messages"][-1] == {"role": "tool", "tool_call_id": r0["tool_calls"][0]["id"],
                                     "content": "sunny, 21 C"}
     c1 = next(b for b in sent if not b.get("tools") and len(b["messages"]) == 3)
     assert c1["messages"][1]["content"] == conv["c"][0]["content"] != CONVERSATIONS["c"][1]["content"]
     assert json.dumps(c1["messages"], sort_keys=True) in by_msgs
+    if field is None:
+        from eagle3data.backends.openai_api import history_reasoning_field
+
+        api = params.generate.openai
+        by_host = {u: history_reasoning_field(api.model_copy(update={"base_url": u})) for u in (
+            "https://openrouter.ai/api/v1", "https://api.moonshot.ai/v1", "https://api.moonshot.cn/v1",
+            "http://127.0.0.1:30000/v1")}
+        assert by_host == {"https://openrouter.ai/api/v1": "reasoning_details",
+                           "https://api.moonshot.ai/v1": "reasoning_content",
+                           "https://api.moonshot.cn/v1": "reasoning_content",
+                           "http://127.0.0.1:30000/v1": "reasoning_content"}
     led = read_ledger(params.run_dir)["datasets"]["d0"]
     assert led["done"] == 4 == led["planned"] and led["conversation_ends"] == {"done": 1, "tool_call_unmatched": 1}
 

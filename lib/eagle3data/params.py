@@ -132,6 +132,13 @@ class OpenAIParams(Strict):
         None, ge=0, le=20, description="Alternatives per position with `logprobs` (OpenAI `top_logprobs`, 0-20; None: "
                                        "not sent). 02 needs none; they only make records larger.",
     )
+    history_reasoning: Literal["reasoning", "reasoning_content", "reasoning_details", "none"] | None = Field(
+        None, description="turns: all: the field an earlier reply's reasoning goes back in (assistant messages of the "
+                          "history): `reasoning_details` (OpenRouter's preserved reasoning blocks, one `reasoning.text` "
+                          "block), `reasoning` (OpenRouter's plain-text field), `reasoning_content` (Moonshot's API, "
+                          "vLLM/SGLang chat templates), `none` (not sent). None: from base_url's host (openrouter.ai: "
+                          "reasoning_details; else reasoning_content). docs/01 Turns.",
+    )
 
     @model_validator(mode="after")
     def _logprobs_routing(self) -> "OpenAIParams":

@@ -50,14 +50,28 @@ def assistant_message(rec: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as an OpenAI-style API takes them back: an earlier reply's reasoning as `reasoning`
-    (OpenRouter's field for reasoning passed back), everything else as it is."""
+HISTORY_REASONING = ("reasoning", "reasoning_content", "reasoning_details", "none")
+
+
+def api_messages(messages: list[dict[str, Any]], field: str = "reasoning_content") -> list[dict[str, Any]]:
+    """Messages as an OpenAI-style API takes them back: an earlier reply's reasoning (the history's
+    `reasoning_content`) under `field` (see `HISTORY_REASONING`, docs/01 "Turns"), everything else as it is.
+
+    `reasoning_details` sends OpenRouter's preserved-reasoning shape, one `reasoning.text` block with the
+    reasoning's text (a record keeps the text, not the provider's blocks: no signature or encrypted data);
+    `none` leaves it out.
+    """
+    if field not in HISTORY_REASONING:
+        raise ValueError(f"history reasoning field {field!r}: expected one of {', '.join(HISTORY_REASONING)}")
     out = []
     for m in messages:
         if m.get("role") == "assistant" and "reasoning_content" in m:
             m = dict(m)
-            m["reasoning"] = m.pop("reasoning_content")
+            text = m.pop("reasoning_content")
+            if field == "reasoning_details":
+                m[field] = [{"type": "reasoning.text", "text": text, "format": "unknown", "index": 0}]
+            elif field != "none":
+                m[field] = text
         out.append(m)
     return out
 

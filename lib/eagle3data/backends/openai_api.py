@@ -1,7 +1,8 @@
 """OpenAI-compatible chat completions backend, OpenRouter flavour (provider routing, reasoning, cost).
 
 Requests carry the prompt's `messages` (and `tools` where the dataset has them), sampling,
-`reasoning` and `provider` settings from params. Records keep what the API returned as text
+`reasoning` and `provider` settings from params; with turns: all, earlier replies' reasoning goes
+back in the field `history_reasoning_field` names (docs/01 "Turns"). Records keep what the API returned as text
 (`reasoning`, `content`, `tool_calls`), with `provider`, finish reasons, generation id,
 usage (reasoning and cached tokens) and `usage.cost` as `cost_usd`; with
 `generate.openai.logprobs`, the choice's `logprobs` as returned (OpenAI shape: `content` /
@@ -26,6 +27,16 @@ from ..turns import api_messages
 
 FINISH = {"stop": "stop", "tool_calls": "stop", "function_call": "stop", "end_turn": "stop", "length": "length",
           "max_tokens": "length", "content_filter": "abort", "error": "error"}
+
+
+def history_reasoning_field(o: Any) -> str:
+    """The field earlier replies' reasoning goes back in: `generate.openai.history_reasoning`, else from the
+    base_url's host (openrouter.ai: `reasoning_details`, OpenRouter's preserved reasoning blocks; any other
+    host: `reasoning_content`, Moonshot's API field and the key the Qwen3/Kimi chat templates read)."""
+    if o.history_reasoning is not None:
+        return o.history_reasoning
+    host = (httpx.URL(o.base_url).host or "").lower()
+    return "reasoning_details" if host == "openrouter.ai" or host.endswith(".openrouter.ai") else "reasoning_content"
 
 
 def api_key(env_name: str) -> str:
@@ -71,6 +82,7 @@ class OpenAIBackend:
         self.sampling = s.model_dump(exclude_none=True)
         self._key = api_key(self.o.api_key_env)
         self.eot_text = profile.end_of_turn.text
+        self.history_reasoning = history_reasoning_field(self.o)
 
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._key}", "content-type": "application/json"}
@@ -107,7 +119,7 @@ class OpenAIBackend:
 
     def build(self, jobs: Sequence[Job]) -> bytes:
         (job,) = jobs
-        body = dict(self.base, messages=api_messages(job.messages))  # earlier turns' reasoning as `reasoning`
+        body = dict(self.base, messages=api_messages(job.messages, self.history_reasoning))
         if job.tools:
             body["tools"] = job.tools
         return orjson.dumps(body)
