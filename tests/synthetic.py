@@ -5,8 +5,8 @@ profile's special tokens and Kimi's role tokens at their real ids, printable ASC
 characters, and every lowercase word of 1-3 letters with a leading space. It encodes by
 greedy longest match, so `encode(decode(ids)) == ids` for ids it produced, and a word
 split in two ("merge across a seam") decodes to the same text but re-encodes differently.
-It renders a Kimi-style chat template (tool declarations in a leading system turn,
-generation prompt ending in `<think>`).
+It renders a Kimi-style chat template (tool declarations in a leading system turn, the real
+template's history rule for reasoning and tool turns, generation prompt ending in `<think>`).
 
 Test-only code: it lives with the tests and registers the tokenizer source `synthetic:PROFILE`
 with `eagle3data.models.register_tokenizer` when imported (the tests' conftest imports it and
@@ -111,15 +111,47 @@ class SyntheticTokenizer:
 
     def render(self, messages: list[dict[str, Any]], tools: list | None = None,
                add_generation_prompt: bool = False, thinking: bool = True) -> str:
-        """The Kimi-style chat text for messages (and tools) with the generation prompt."""
+        """The Kimi-style chat text for messages (and tools) with the generation prompt.
+
+        The history rule of the real Kimi-K2-Thinking / K2.5 chat template (read in llama.cpp's copy,
+        models/templates/moonshotai-Kimi-K2-Thinking.jinja; the K2.5 template splits at the same index):
+        the messages up to and including the last assistant message *without tool calls* are history,
+        where an assistant turn is rendered `<think></think>` + content (its reasoning dropped); after it
+        (the current tool loop) an assistant turn keeps `<think>{reasoning_content}</think>`. Tool calls
+        follow the content in their section, each `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS
+        <|tool_call_end|>`; a tool result is a system turn `## Return of ID` + newline + content; a turn's
+        name after its role token is the message's `name`, else its role. Not modelled: the real template
+        injects a default system turn when the first message is not a system one, and K2.5 declares tools as
+        TypeScript (`tools_ts_str`) where its tokenizer provides it; here tools are compact JSON and no
+        system turn is added. The generation prompt ends `<think>` (reference §2), `<think></think>` with
+        thinking off.
+        """
         parts = []
         if tools:
             parts.append("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, separators=(",", ":"))
                          + "<|im_end|>")
-        role_tok = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>",
-                    "tool": "<|im_system|>"}
-        for m in messages:
-            parts.append(f"{role_tok[m['role']]}{m['role']}<|im_middle|>{m['content']}<|im_end|>")
+        role_tok = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}
+        split = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")),
+                    default=-1)
+        for i, m in enumerate(messages):
+            role = m["role"]
+            head = f"{role_tok.get(role, '<|im_system|>')}{m.get('name') or role}<|im_middle|>"
+            content = m.get("content")
+            if role == "assistant":
+                reasoning = "" if i <= split else (m.get("reasoning_content") or "")
+                body = f"<think>{reasoning}</think>{content or ''}"
+                if m.get("tool_calls"):
+                    body += "<|tool_calls_section_begin|>"
+                    for c in m["tool_calls"]:
+                        args = c["function"]["arguments"]
+                        args = args if isinstance(args, str) else json.dumps(args)
+                        body += f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+                    body += "<|tool_calls_section_end|>"
+            elif role == "tool":
+                body = f"## Return of {m.get('tool_call_id')}\n{content or ''}"
+            else:
+                body = content if content is not None else ""
+            parts.append(f"{head}{body}<|im_end|>")
         if add_generation_prompt:
             parts.append("<|im_assistant|>assistant<|im_middle|>" + ("<think>" if thinking else "<think></think>"))
         return "".join(parts)

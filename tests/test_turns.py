@@ -6,7 +6,8 @@ holds the model's own earlier replies, dataset tool results are spliced in when 
 call matches, a mismatched call ends the conversation with its reason, SIGKILL then resume
 gives every turn once, budgets cut at turn granularity, and 03's `prompt.on_policy` fails a
 record whose history was the dataset's. Golden renderings of the history for Qwen3 (its real
-template) and the Kimi profile (the tests' synthetic Kimi template, reference §2's rule).
+template) and the Kimi profile (tests/synthetic.py's Kimi template, which follows the history rule of
+the real Kimi-K2-Thinking/K2.5 template; golden written from that template's text).
 """
 
 from __future__ import annotations
@@ -489,44 +490,64 @@ def _overrides(params) -> dict:
 # ---------------------------------------------------------------- Kimi: the history rule of reference §2
 
 
-def kimi_render(tok, messages, tools=None, add_generation_prompt=False, thinking=True):
-    """Kimi-K2.5's history rule on the synthetic Kimi vocabulary: assistant turns before the last user
-    turn lose their reasoning (`<think></think>`), the current tool loop keeps it; tool calls in their
-    section; tool results as a system turn `## Return of ID`."""
-    parts = []
-    if tools:
-        parts.append("<|im_system|>tool_declare<|im_middle|>" + json.dumps(tools, separators=(",", ":")) + "<|im_end|>")
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    for i, m in enumerate(messages):
-        role = m["role"]
-        if role == "assistant":
-            keep = i > last_user and m.get("reasoning_content") is not None
-            body = f"<think>{m['reasoning_content']}</think>" if keep else "<think></think>"
-            body += m.get("content") or ""
-            if m.get("tool_calls"):
-                body += "<|tool_calls_section_begin|>" + "".join(
-                    f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{c['function']['arguments']}"
-                    "<|tool_call_end|>" for c in m["tool_calls"]) + "<|tool_calls_section_end|>"
-            parts.append(f"<|im_assistant|>assistant<|im_middle|>{body}<|im_end|>")
-        elif role == "tool":
-            parts.append(f"<|im_system|>tool<|im_middle|>## Return of {m['tool_call_id']}\n{m['content']}<|im_end|>")
-        else:
-            tag = "<|im_system|>" if role == "system" else "<|im_user|>"
-            parts.append(f"{tag}{role}<|im_middle|>{m['content']}<|im_end|>")
-    if add_generation_prompt:
-        parts.append("<|im_assistant|>assistant<|im_middle|>" + ("<think>" if thinking else "<think></think>"))
-    return "".join(parts)
-
-
 @pytest.fixture()
 def kimi():
     from synthetic import SyntheticTokenizer
 
-    class KimiHistory(SyntheticTokenizer):
-        def render(self, messages, tools=None, add_generation_prompt=False, thinking=True):
-            return kimi_render(self, messages, tools, add_generation_prompt, thinking)
+    return SyntheticTokenizer(KIMI_K25)
 
-    return KimiHistory(KIMI_K25)
+
+def _tc(cid: str, args: str = '{"city": "Paris"}') -> dict:
+    return {"id": cid, "type": "function", "function": {"name": cid.split(".")[1].split(":")[0], "arguments": args}}
+
+
+# Kimi-K2-Thinking's chat template (llama.cpp models/templates/moonshotai-Kimi-K2-Thinking.jinja; K2.5's splits the
+# same way): history is every message up to the last assistant message WITHOUT tool calls; there an assistant turn
+# renders `<think></think>` + content; after it (the tool loop in progress) `<think>{reasoning_content}</think>`.
+# Two tool loops: the first one's reasoning (r0, r1) is dropped once the answer a1 closed it; the second one's (r2)
+# is kept while it runs. Hand-written from the template's rule.
+KIMI_TWO_LOOPS = [
+    {"role": "system", "content": "You can look up the weather."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "let me see", "reasoning_content": "r0",
+     "tool_calls": [_tc("functions.get_weather:0")]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+    {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+    {"role": "user", "content": "And Rome?"},
+    {"role": "assistant", "content": "", "reasoning_content": "r2",
+     "tool_calls": [_tc("functions.get_weather:1", '{"city": "Rome"}')]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:1", "name": "get_weather", "content": "rain"},
+]
+GOLDEN_KIMI_TWO_LOOPS = (
+    "<|im_system|>system<|im_middle|>You can look up the weather.<|im_end|>"
+    "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think></think>let me see<|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    "<|tool_calls_section_end|><|im_end|>"
+    "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think></think>a1<|im_end|>"
+    "<|im_user|>user<|im_middle|>And Rome?<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think>r2</think><|tool_calls_section_begin|>"
+    '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+    "<|tool_calls_section_end|><|im_end|>"
+    "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:1\nrain<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><think>")
+
+
+def test_kimi_template_history_rule_golden(kimi):
+    """The synthetic Kimi template renders history as the real template does (golden above). Where the rule
+    differs from "drop reasoning before the last user message": a user turn after a tool result with no answer
+    in between keeps the loop's reasoning (no assistant message without tool calls yet), and an answer is
+    history itself (its reasoning dropped) even when no user turn follows it."""
+    assert kimi.render(KIMI_TWO_LOOPS, add_generation_prompt=True) == GOLDEN_KIMI_TWO_LOOPS
+    interjected = KIMI_TWO_LOOPS[:4] + [{"role": "user", "content": "Go on."}]
+    text = kimi.render(interjected, add_generation_prompt=True)
+    assert "<think>r0</think>let me see" in text and text.endswith(
+        "<|im_user|>user<|im_middle|>Go on.<|im_end|><|im_assistant|>assistant<|im_middle|><think>")
+    answered = kimi.render(KIMI_TWO_LOOPS[:5])
+    assert "<think>r0</think>" not in answered and answered.endswith("<think></think>a1<|im_end|>")
+    off = kimi.render(KIMI_TWO_LOOPS[:2], add_generation_prompt=True, thinking=False)
+    assert off.endswith("<|im_assistant|>assistant<|im_middle|><think></think>")
 
 
 def kimi_reply(tok, prompt_ids):
@@ -544,8 +565,9 @@ def kimi_reply(tok, prompt_ids):
 
 
 def test_kimi_history_golden(kimi, tmp_path):
-    """Kimi profile: turn 1 (inside the tool loop) keeps turn 0's reasoning; turn 2 (after the next user
-    turn) renders both earlier turns as `<think></think>` + answer, the call section and the tool return."""
+    """Kimi profile, end to end: turn 1 (inside the tool loop) keeps turn 0's reasoning; turn 2 (turn 1's
+    answer closed the loop) renders both earlier turns as `<think></think>` + answer, the call section and the
+    tool return."""
     params = _params(tmp_path, profile="kimi-k2.5", **{"datasets": [
         {"name": "d0", "path": str(_prompts_file(tmp_path, {"w": CONVERSATIONS["w"]}, "own"))}]})
     model = ScriptedModel(lambda p: kimi_reply(kimi, p), KIMI_K25.end_of_turn.id)
