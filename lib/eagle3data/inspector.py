@@ -5,6 +5,14 @@
 special token is a visible badge, token boundaries alternate shading (so a seam split shows),
 and the loss-mask span (the trained output) is shaded in the full sequence. Styles are
 inline: nothing external is loaded.
+
+A turn of a conversation regenerated turn by turn (`generate.turns: all`; asked for as
+`sample_id="12#1"`, or `sample_id=12` for the conversation's last turn) also shows its
+conversation: every turn in order (prompt and output lengths and ids, finish reason, how the
+conversation ended, how much of each prompt repeats an earlier turn's sequence), and for the
+inspected turn where each message of its history came from: the model's own reply of turn K,
+a dataset message (system, user, a tool result spliced after turn K's call), or an assistant
+message that is no journaled turn (the dataset's reply: off-policy).
 """
 
 from __future__ import annotations
@@ -179,15 +187,24 @@ def _verdict_table(result: AuditResult, i: int) -> str:
             '<th>what it asserts</th></tr></thead><tbody>' + "".join(rows) + "</tbody></table>")
 
 
-def _messages_html(messages: list | None, tools: list | None) -> str:
+def _messages_html(messages: list | None, tools: list | None, sources: list[str] | None = None) -> str:
+    """Prompt messages by role; with `sources` (a turn record) each says where it came from (`history_labels`)."""
     if not messages:
         return "<p><i>the record holds no prompt messages</i></p>"
     colors = {"system": "#ddf4ff", "user": "#fff8c5", "assistant": "#dafbe1", "tool": "#fbefff"}
     parts = []
-    for m in messages:
+    for k, m in enumerate(messages):
         role = str(m.get("role"))
-        parts.append(f'<div style="{_BOX};background:{colors.get(role, "#fff")}"><b>{_esc(role)}</b>\n'
-                     f'{_esc(str(m.get("content")))}</div>')
+        label = ""
+        if sources is not None and k < len(sources):
+            off = "NOT" in sources[k]
+            label = (f' <span style="font-weight:normal;{"color:#cf222e;font-weight:bold" if off else "color:#555"}">'
+                     f"· {_esc(sources[k])}</span>")
+        calls = m.get("tool_calls") or []
+        names = [str((c.get("function") or {}).get("name")) for c in calls if isinstance(c, dict)]
+        parts.append(f'<div style="{_BOX};background:{colors.get(role, "#fff")}"><b>{_esc(role)}</b>{label}\n'
+                     f'{_esc(str(m.get("content")))}'
+                     + (f"\n<i>tool calls: {_esc(', '.join(names))}</i>" if names else "") + "</div>")
     if tools:
         names = [(t.get("function") or t).get("name") for t in tools if isinstance(t, dict)]
         parts.append(f"<p>tools declared: <code>{_esc(', '.join(str(n) for n in names))}</code></p>")
@@ -232,9 +249,147 @@ def _count_html(m: Any) -> str:
     return f'<p style="{"color:#cf222e" if bad else ""}">{_esc(txt)}</p>'
 
 
+def _journal(result: AuditResult, i: int, views: dict[Any, Any]) -> tuple[Any, str]:
+    """Row i's dataset journal through the one reader (read once per page: `views` keeps it), or a reason."""
+    m = result.meta.iloc[i]
+    f = m.get("file")
+    if not f or (isinstance(f, float) and np.isnan(f)):
+        return None, "the audit table names no journal for this record"
+    run_dir, ds = Path(str(f)).parent.parent, str(m["dataset"])
+    if (run_dir, ds) not in views:
+        from .reader import read_run
+
+        try:
+            views[run_dir, ds] = read_run(run_dir, [ds], rebuilt=False, verdicts=False)
+        except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read it
+            views[run_dir, ds] = e
+    v = views[run_dir, ds]
+    return (None, f"records/{ds}.jsonl not readable here: {v}") if isinstance(v, Exception) else (v, "")
+
+
+def history_labels(sources: list[str]) -> list[str]:
+    """`turns.conversation_turns`' history sources (`turn K` or a role) in words, a tool result naming the
+    turn whose call it answers."""
+    out, last = [], None
+    for src in sources:
+        if src.startswith("turn "):
+            last = src
+            out.append(f"{src}: the model's own reply")
+        elif src.startswith("assistant"):
+            out.append("NOT a journaled turn: an assistant message from the dataset (off-policy)")
+        elif src == "tool":
+            out.append(f"dataset tool result, spliced in after {last}'s call" if last else "dataset tool result")
+        else:
+            out.append(f"dataset {src} message")
+    return out
+
+
+def _shared_prefix(a: list[int], earlier: list[list[int]]) -> int:
+    """Longest prefix of `a` that an earlier sequence starts with."""
+    best = 0
+    for b in earlier:
+        k = first_divergence(a, b)
+        best = max(best, min(len(a), len(b)) if k is None else k)
+    return best
+
+
+def conversation_html(result: AuditResult, i: int, tokenizer: Any, specials: dict[int, str],
+                      views: dict[Any, Any], limit: int = 400) -> tuple[str, list[str] | None]:
+    """For a turn record: its conversation section (every turn in order, each turn's prompt/output ids, the
+    history's sources), and the inspected turn's history labels (`history_labels`); ("", None) otherwise."""
+    from .turns import conversation_turns
+
+    turn = _turns_of(result.meta.iloc[[i]])[0]
+    if np.isnan(turn):
+        return "", None
+    m = result.meta.iloc[i]
+    ds, sid, turn = str(m["dataset"]), str(m["sample_id"]), int(turn)
+    head = f"<details open><summary><b>Conversation {_esc(ds)}/{_esc(sid)}</b> (turn by turn: turn {turn} inspected)"
+    view, why = _journal(result, i, views)
+    if view is None:
+        return head + f"</summary><p><i>{_esc(why)}</i></p></details>", None
+    conv = conversation_turns(view, ds, sid)
+    rows, seqs, parts, sources = [], [], [], None
+    for r in conv.itertuples():
+        p, o = list(r.prompt_ids or []), None if r.output_ids is None else list(r.output_ids)
+        shared = min(_shared_prefix(p + (o or []), seqs), len(p))
+        seqs.append(p + (o or []))
+        me = r.turn == turn
+        if me:
+            sources = history_labels(r.history.split(", ") if r.history else [])
+        end = r.conversation_end if isinstance(r.conversation_end, str) else ""
+        style = ' style="background:#fff8c5;font-weight:bold"' if me else ""
+        rows.append(f"<tr{style}><td>{r.turn}</td><td>{_esc(r.key)}</td><td>{_esc(str(r.finish_reason))}</td>"
+                    f"<td>{len(p)}</td><td>{'(none: API text)' if o is None else len(o)}</td><td>{shared}</td>"
+                    f'<td style="text-align:left">{_esc(r.history)}</td><td style="text-align:left">{_esc(end)}</td>'
+                    "</tr>")
+        if tokenizer is not None:
+            for x in set(p) | set(o or []):
+                if x in getattr(tokenizer, "all_special_ids", []) and x not in specials:
+                    specials[int(x)] = tokenizer.convert_ids_to_tokens(int(x))
+        new = _token_spans(np.asarray(p[shared:], np.int64), tokenizer, specials, start=shared, limit=limit)
+        out = ("<p><i>no output ids (an API record: 02 rebuilds them)</i></p>" if o is None else
+               f'<div style="{_TOKBOX}">' + _token_spans(np.asarray(o, np.int64), tokenizer, specials, start=len(p),
+                                                         limit=limit, mask=np.ones(len(o), bool)) + "</div>")
+        parts.append(f"<details{' open' if me else ''}><summary>turn {r.turn}{' (inspected)' if me else ''}: "
+                     f"prompt {len(p)} ids, output {'none' if o is None else f'{len(o)} ids'}</summary>"
+                     f"<p style=\"font-size:12px\">prompt after the {shared} tokens it shares with an earlier turn's "
+                     f"sequence (positions {shared}…{len(p) - 1}):</p><div style=\"{_TOKBOX}\">{new}</div>"
+                     f'<p style="font-size:12px">output (trained):</p>{out}</details>')
+    last = conv.iloc[-1] if len(conv) else None
+    ended = (last["conversation_end"] if last is not None and isinstance(last["conversation_end"], str)
+             else "not ended in the journal (the run may still be going)")
+    table = ("<style>.e3-conv td,.e3-conv th{padding:1px 8px;border-bottom:1px solid #eee;vertical-align:top}</style>"
+             '<table class="e3-conv" style="border-collapse:collapse;font-size:12px"><thead><tr><th>turn</th><th>key</th>'
+             "<th>finish</th><th>prompt ids</th><th>output ids</th><th>prompt shared with an earlier turn</th>"
+             "<th>history (where each message came from)</th><th>conversation end</th></tr></thead><tbody>"
+             + "".join(rows) + "</tbody></table>")
+    html_out = (head + f": {len(conv)} journaled turns, ended: {_esc(ended)}</summary>"
+                '<p style="font-size:12px">Each turn is one record and one training sequence (its prompt ids + its '
+                "output ids, loss on the output). History: <code>turn K</code> is the model's own reply of turn K "
+                "(on-policy), a role is the dataset's message; the inspected turn's messages below say the same "
+                "in words.</p>" + table + "".join(parts) + "</details>")
+    return html_out, sources
+
+
+def _turns_of(meta: Any) -> np.ndarray:
+    """Per row, its turn as a float (NaN for a record without turns)."""
+    if "turn" not in meta:
+        return np.full(len(meta), np.nan)
+    return np.array([np.nan if t is None else float(t) for t in meta["turn"].tolist()], dtype=float)
+
+
+def _turn_row(result: AuditResult, dataset: str | None, sample_id: Any) -> tuple[int | None, str]:
+    """A turn record's row: `sample_id` as `sid#turn` (the SampleKey spelling), or a conversation's id
+    (its last turn, with a note); (None, "") when neither applies."""
+    m = result.meta
+    turns = _turns_of(m)
+    ds_hit = (m["dataset"].astype(str) == str(dataset)).to_numpy() if dataset is not None else np.ones(len(m), bool)
+    sids = m["sample_id"].astype(str).to_numpy()
+    conv = np.flatnonzero(ds_hit & (sids == str(sample_id)) & ~np.isnan(turns))
+    if len(conv):
+        i = int(conv[np.argmax(turns[conv])])
+        if len(conv) == 1:
+            return i, ""
+        return i, (f"sample_id {sample_id} is a conversation of {len(conv)} turns: showing its last turn "
+                   f"({sample_id}#{int(turns[i])}); ask for {sample_id}#0 … for another")
+    base, _, t = str(sample_id).rpartition("#")
+    if base and t.isdigit():
+        hit = np.flatnonzero(ds_hit & (sids == base) & (turns == int(t)))
+        if len(hit):
+            return int(hit[0]), ""
+    return None, ""
+
+
 def find_record(result: AuditResult, dataset: str | None, sample_id: Any) -> tuple[int | None, str]:
-    """Row of the wanted record, else the first record, with a note saying which was shown."""
+    """Row of the wanted record, else the first record, with a note saying which was shown.
+
+    A turn record is asked for as `sample_id="sid#turn"`; a conversation's `sid` gives its last turn.
+    """
     if sample_id is not None:
+        i, note = _turn_row(result, dataset, sample_id)
+        if i is not None:
+            return i, note
         i = result.record_index(dataset, sample_id)
         if i is not None:
             return i, ""
@@ -250,10 +405,18 @@ def find_record(result: AuditResult, dataset: str | None, sample_id: Any) -> tup
 
 def inspect_record(result: AuditResult, dataset: str | None = None, sample_id: Any = None, tokenizer: Any = None,
                    *, limit: int = 3000) -> RecordView:
-    """One record laid out for a human: metadata, verdicts, prompt messages, output, full sequence."""
+    """One record laid out for a human: metadata, verdicts, prompt messages, output, full sequence;
+    for a turn record (`sample_id="sid#turn"`) its conversation too (see the module's doc)."""
     i, note = find_record(result, dataset, sample_id)
     if i is None:
         return RecordView(f"<p><b>Inspector:</b> {_esc(note)}</p>", dataset, sample_id, False)
+    found = not note or "is a conversation of" in note
+    return _inspect_row(result, i, note, found, tokenizer, limit, {})
+
+
+def _inspect_row(result: AuditResult, i: int, note: str, found: bool, tokenizer: Any, limit: int,
+                 views: dict[Any, Any]) -> RecordView:
+    """The inspector's view of row `i` (`views`: journals already read for conversation sections)."""
     t = result.table
     m = t.meta.iloc[i]
     prof = result.profile
@@ -268,7 +431,11 @@ def inspect_record(result: AuditResult, dataset: str | None = None, sample_id: A
     provider = m.get("provider")
     provider = None if provider is None or (isinstance(provider, float) and np.isnan(provider)) else provider
     where = shown_record_path(m.get("file", ""))
-    head = (f'<h4 style="margin:4px 0">{_esc(str(m["dataset"]))} · sample {_esc(str(m["sample_id"]))}</h4>'
+    turn = _turns_of(t.meta.iloc[[i]])[0]
+    sid = m["sample_id"] if np.isnan(turn) else f"{m['sample_id']}#{int(turn)}"
+    head = (f'<h4 style="margin:4px 0">{_esc(str(m["dataset"]))} · sample {_esc(str(sid))}'
+            + ("" if np.isnan(turn) else f" (turn {int(turn)} of conversation {_esc(str(m['sample_id']))})")
+            + "</h4>"
             + (f'<p style="color:#9a6700"><b>Note:</b> {_esc(note)}</p>' if note else "")
             + f'<p style="font-size:12px">source <b>{_esc(str(m.get("source")))}</b>'
             + (f" · provider <b>{_esc(str(provider))}</b>" if provider else "")
@@ -298,11 +465,15 @@ def inspect_record(result: AuditResult, dataset: str | None = None, sample_id: A
     if mask is None:
         mask = np.r_[np.zeros(len(pids), bool), np.ones(len(oids), bool)]
     full = np.r_[pids, oids]
+    conv_html, sources = conversation_html(result, i, tokenizer, specials, views)
     body = (
         head
+        + conv_html
         + "<details open><summary><b>Check verdicts</b></summary>" + _verdict_table(result, i) + "</details>"
-        + "<details open><summary><b>Prompt messages by role</b></summary>"
-        + _messages_html(t.messages[i] if t.messages else None, t.tools[i] if t.tools else None) + "</details>"
+        + "<details open><summary><b>Prompt messages by role</b>"
+        + (" (and where each came from)" if sources is not None else "") + "</summary>"
+        + _messages_html(t.messages[i] if t.messages else None, t.tools[i] if t.tools else None, sources)
+        + "</details>"
         + "<details open><summary><b>Decoded output</b> (special tokens as blue badges; alternating shade = "
         "token boundaries; hover for position and id)</summary>"
         + f'<div style="{_TOKBOX}">' + _token_spans(oids, tokenizer, specials, start=len(pids), limit=limit,
@@ -320,17 +491,16 @@ def inspect_record(result: AuditResult, dataset: str | None = None, sample_id: A
         + "</div></details>"
     )
     html_out = _TOKEN_CSS + f'<div style="border:1px solid #bbb;padding:8px;margin:8px 0;border-radius:6px">{body}</div>'
-    return RecordView(html_out, str(m["dataset"]), m["sample_id"], not note)
+    return RecordView(html_out, str(m["dataset"]), sid, found)
 
 
 def failing_records(result: AuditResult, tokenizer: Any = None, k: int = 3) -> list[RecordView]:
     """The first k failing records of each failed check, as inspector views."""
-    views, seen = [], set()
+    views, seen, journals = [], set(), {}
     for c in result.status.columns:
-        for r in result.failing(c, k).itertuples():
-            key = (r.dataset, str(r.sample_id))
-            if key in seen:
+        for i in np.flatnonzero(result.status[c].to_numpy() == FAIL)[:k].tolist():
+            if i in seen:  # by row: a conversation's turns are records of one sample_id
                 continue
-            seen.add(key)
-            views.append(inspect_record(result, r.dataset, r.sample_id, tokenizer, limit=800))
+            seen.add(i)
+            views.append(_inspect_row(result, i, "", True, tokenizer, 800, journals))
     return views
