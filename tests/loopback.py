@@ -18,8 +18,12 @@ OpenRouter only: a request with `logprobs: true` gets `choices[0].logprobs` in t
 one entry per word of the content); `server.chat_script` (request -> dict) can set the answer's
 `reasoning`, `content`, `finish_reason`, `completion_tokens`, `reasoning_tokens` and `logprobs`.
 
-TLS: `LoopbackServer(..., ssl_context=ctx)` (or `--tls-cert/--tls-key`); `--http2` serves HTTP/2
-over TLS (ALPN h2, through the `h2` library) instead of HTTP/1.1, for the client benchmark.
+TLS: `LoopbackServer(..., ssl_context=ctx)` (or `--tls-cert/--tls-key`); `http2=True` (`--http2`)
+offers HTTP/2 (through the `h2` library) beside HTTP/1.1 by ALPN, as public HTTPS servers do: each
+connection speaks what its client chose. `h2_max_streams` (`--h2-max-streams`) is the
+MAX_CONCURRENT_STREAMS it allows per connection (256 by default, as large CDNs). HTTP/2 only:
+`goaway` (the server sends GOAWAY refusing this stream and every later one on the connection,
+answering the earlier ones: the client must send the refused ones again on a new connection); `truncated` resets the stream midway.
 
 Use in tests: `with LoopbackServer("openai") as srv: srv.base_url ...`. As a process (for the
 bench): `python tests/loopback.py --kind openai --latency 4 --port 0` prints `PORT <n>`.
@@ -126,6 +130,27 @@ class _H2Stream:
         self.conn.respond(self.stream_id, status, body, headers or {}, truncate)
 
 
+class _AlpnConn(asyncio.Protocol):
+    """One TLS connection that speaks what its client chose by ALPN: HTTP/2 or HTTP/1.1."""
+
+    def __init__(self, server: "LoopbackServer"):
+        self.server = server
+        self.impl: asyncio.Protocol | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tls = transport.get_extra_info("ssl_object")
+        h2 = tls is not None and tls.selected_alpn_protocol() == "h2"
+        self.impl = _H2Conn(self.server) if h2 else _Conn(self.server)
+        self.server.connections[("h2" if h2 else "http/1.1")] += 1
+        self.impl.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.impl.data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.impl.connection_lost(exc)
+
+
 class _H2Conn(asyncio.Protocol):
     """HTTP/2 (RFC 9113, through `h2`) over one TLS connection: many streams, flow control honoured."""
 
@@ -144,7 +169,8 @@ class _H2Conn(asyncio.Protocol):
 
         self.t = transport  # type: ignore[assignment]
         self.h2.initiate_connection()
-        self.h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 1000, SettingCodes.INITIAL_WINDOW_SIZE: 2**24})
+        self.h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self.server.h2_max_streams,
+                                 SettingCodes.INITIAL_WINDOW_SIZE: 2**24})
         self.h2.increment_flow_control_window(2**30 - 65535)
         self.t.write(self.h2.data_to_send())
 
@@ -180,6 +206,14 @@ class _H2Conn(asyncio.Protocol):
                 self.t.close()
         if self.t is not None:
             self.t.write(self.h2.data_to_send())
+
+    def goaway(self, sid: int) -> None:
+        """Refuse stream `sid` and every later one (GOAWAY naming the stream before it as the last processed);
+        earlier streams are still answered, as a server shutting down gracefully does."""
+        if self.t is None or self.t.is_closing():
+            return
+        self.h2.close_connection(last_stream_id=max(0, sid - 2))
+        self.t.write(self.h2.data_to_send())
 
     def respond(self, sid: int, status: int, body: bytes, headers: dict[str, str], truncate: bool) -> None:
         import h2.exceptions
@@ -225,12 +259,14 @@ class LoopbackServer:
                  price_per_token: float = 1e-6, body_bytes: tuple[int, int] = (200, 600), retry_after: str = "1",
                  eot_id: int = 2, eot_text: str = "<|im_end|>", record: bool = True, seed: int = 0,
                  api_key: str | None = None, id_prefix: str = "rid", served_model_name: str | None = None,
-                 ssl_context: Any = None, http2: bool = False):
+                 ssl_context: Any = None, http2: bool = False, h2_max_streams: int = 256):
         assert kind in ("openai", "sglang", "vllm")
         self.id_prefix = id_prefix
         self.served_model_name = served_model_name or model_path
         self.ssl_context = ssl_context
         self.http2 = http2
+        self.h2_max_streams = h2_max_streams
+        self.connections: dict[str, int] = {"h2": 0, "http/1.1": 0}  # TLS connections by the protocol chosen
         self.kind = kind
         self.latency = latency
         self.jitter = jitter
@@ -269,7 +305,9 @@ class LoopbackServer:
     async def serve(self, port: int = 0) -> None:
         """Start listening on the running loop (used by the thread and by the CLI)."""
         self._loop = asyncio.get_running_loop()
-        proto = (lambda: _H2Conn(self)) if self.http2 else (lambda: _Conn(self))
+        if self.ssl_context is not None:
+            self.ssl_context.set_alpn_protocols(["h2", "http/1.1"] if self.http2 else ["http/1.1"])
+        proto = (lambda: _AlpnConn(self)) if self.ssl_context is not None else (lambda: _Conn(self))
         self._server = await self._loop.create_server(proto, "127.0.0.1", port, backlog=8192, ssl=self.ssl_context)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -357,6 +395,8 @@ class LoopbackServer:
             return self._later(self._delay(), conn.send, 500, b'{"error":{"code":500,"message":"upstream failed"}}')
         if fault == "slow":
             return self._later(self.slow_s, conn.send, 200, self._answer(req, None))
+        if fault == "goaway" and isinstance(conn, _H2Stream):
+            return conn.conn.goaway(conn.stream_id)
         if fault == "malformed":
             return self._later(self._delay(), conn.send, 200, b'{"choices": [{"message": {"content": "ab')
         self.served += 1
@@ -479,7 +519,8 @@ def main() -> None:
     ap.add_argument("--model-path", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     ap.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM) ...")
     ap.add_argument("--tls-key", help="... and this key")
-    ap.add_argument("--http2", action="store_true", help="HTTP/2 over TLS (ALPN h2) instead of HTTP/1.1")
+    ap.add_argument("--http2", action="store_true", help="offer HTTP/2 beside HTTP/1.1 over TLS (ALPN)")
+    ap.add_argument("--h2-max-streams", type=int, default=256, help="HTTP/2 MAX_CONCURRENT_STREAMS per connection")
     args = ap.parse_args()
     ctx = None
     if args.tls_cert:
@@ -487,12 +528,11 @@ def main() -> None:
 
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(args.tls_cert, args.tls_key)
-        ctx.set_alpn_protocols(["h2"] if args.http2 else ["http/1.1"])
     elif args.http2:
         raise SystemExit("--http2 needs --tls-cert/--tls-key (clients negotiate h2 through TLS ALPN)")
     srv = LoopbackServer(args.kind, latency=args.latency, jitter=args.jitter, body_bytes=(args.body_min, args.body_max),
                          record=False, credit=None, id_prefix=args.id_prefix, model_path=args.model_path,
-                         ssl_context=ctx, http2=args.http2)
+                         ssl_context=ctx, http2=args.http2, h2_max_streams=args.h2_max_streams)
     if args.kind == "openai":
         srv.prebuild()
 

@@ -185,3 +185,113 @@ def test_tls_with_a_trusted_certificate_reuses_connections_and_refuses_an_untrus
                 await _post(untrusted, srv)
 
     run(main())
+
+
+# -- HTTP/2 over TLS (the loopback server offers h2 and http/1.1 by ALPN, as public HTTPS servers do) ------
+
+def _tls_pair(cert):
+    from loopback import LoopbackServer
+
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(*cert)
+    return LoopbackServer, server_ctx, ssl.create_default_context(cafile=str(cert[0]))
+
+
+_CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 8}'
+
+
+async def _chat(t: LeanTransport, srv) -> tuple[int, list, bytes]:
+    url = httpx.URL(srv.base_url + "/chat/completions")
+    return await t.send(url, b"POST", _headers(url.port, _CHAT) + [(b"authorization", b"Bearer k")], _CHAT)
+
+
+def test_http2_multiplexes_requests_up_to_the_servers_stream_limit(cert):
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", latency=0.2, ssl_context=server_ctx, http2=True, h2_max_streams=8) as srv:
+        async def main():
+            t = LeanTransport(client_ctx)
+            answers = await asyncio.gather(*(_chat(t, srv) for _ in range(20)))
+            assert {a[0] for a in answers} == {200}
+            assert all(b'"choices"' in a[2] for a in answers)
+            assert srv.connections == {"h2": 3, "http/1.1": 0}  # ceil(20 / 8): no connection per request
+            for _ in range(5):
+                assert (await _chat(t, srv))[0] == 200
+            assert srv.connections["h2"] == 3  # later requests reuse them
+            await t.aclose()
+
+        run(main())
+    assert len(srv.requests) == 25
+
+
+def test_http2_streams_refused_by_goaway_are_sent_again_on_a_new_connection(cert):
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", latency=0.3, ssl_context=server_ctx, http2=True) as srv:
+        async def main():
+            t = LeanTransport(client_ctx)
+            assert (await _chat(t, srv))[0] == 200  # the connection is up
+            srv.faults.append("goaway")  # the next request: GOAWAY refusing it and every later stream
+            answers = await asyncio.gather(*(_chat(t, srv) for _ in range(6)))
+            assert [a[0] for a in answers] == [200] * 6
+            assert srv.connections["h2"] == 2  # the refused streams went out again on one new connection
+            await t.aclose()
+
+        run(main())
+    assert sum(r["fault"] == "goaway" for r in srv.requests) == 1
+
+
+def test_http2_stream_reset_is_an_error_and_the_connection_carries_the_next_request(cert):
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", ssl_context=server_ctx, http2=True) as srv:
+        async def main():
+            t = LeanTransport(client_ctx)
+            srv.faults.append("truncated")  # half the body, then RST_STREAM
+            with pytest.raises(httpx.RemoteProtocolError, match="reset the HTTP/2 stream"):
+                await _chat(t, srv)
+            assert (await _chat(t, srv))[0] == 200
+            assert srv.connections["h2"] == 1
+            await t.aclose()
+
+        run(main())
+
+
+def test_http2_a_request_cancelled_by_its_timeout_resets_only_its_stream(cert):
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", ssl_context=server_ctx, http2=True, slow_s=3.0) as srv:
+        async def main():
+            t = LeanTransport(client_ctx)
+            srv.faults.append("slow")
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3):  # what the engine wraps every request in
+                    await _chat(t, srv)
+            assert (await _chat(t, srv))[0] == 200  # same connection, the cancelled stream is gone
+            (conn,) = next(iter(t._h2.values()))
+            assert conn.streams == {} and conn.usable()
+            assert srv.connections["h2"] == 1
+            await t.aclose()
+
+        run(main())
+
+
+def test_a_tls_server_that_chooses_http1_gets_keep_alive_http1(cert):
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", ssl_context=server_ctx, http2=False) as srv:
+        async def main():
+            t = LeanTransport(client_ctx)
+            for _ in range(3):
+                assert (await _chat(t, srv))[0] == 200
+            assert srv.connections == {"h2": 0, "http/1.1": 1}
+            await t.aclose()
+
+        run(main())
+
+
+def test_http2_off_speaks_http1_to_a_server_that_offers_both(cert):
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", ssl_context=server_ctx, http2=True) as srv:
+        async def main():
+            t = LeanTransport(client_ctx, http2=False)
+            await asyncio.gather(*(_chat(t, srv) for _ in range(3)))
+            assert srv.connections == {"h2": 0, "http/1.1": 3}
+            await t.aclose()
+
+        run(main())

@@ -1,14 +1,19 @@
-"""A lean HTTP/1.1 keep-alive transport for `httpx.AsyncClient` at thousands of requests in flight.
+"""The engine's HTTP transport for thousands of requests in flight: HTTP/2 over TLS where the server
+offers it, HTTP/1.1 keep-alive otherwise.
 
 httpx's default transport (httpcore's pool on anyio) rescans every pooled connection several
-times per request, which costs O(n^2) CPU at 2,000 connections, and spends most of a
-millisecond per request in layers a JSON POST does not need. This transport keeps a free
-list of idle connections per origin (O(1) to take or return one), speaks HTTP/1.1 through
-`h11` over asyncio streams, and reads whole bodies. Timeouts are the caller's: the engine
-wraps every request in `asyncio.timeout`. A connection is reused only after a complete
-exchange; anything cut midway closes it.
+times per request, which costs O(n^2) CPU at 2,000 connections, spends most of a millisecond per
+request in layers a JSON POST does not need, and over HTTP/2 sends past the server's stream
+limit instead of opening another connection. Here, per origin: HTTP/2 connections
+(`h2conn.H2Conn`, the `h2` library's protocol) each carry up to the server's
+MAX_CONCURRENT_STREAMS requests, and a new one is opened only when all are full (requests that
+come meanwhile wait for it); for HTTP/1.1 a free list of idle connections (O(1) to take or
+return one) speaks through `h11`. The protocol is the server's choice by ALPN. Connection
+opening is capped (`MAX_CONNECTING`), so each new connection carries its request as soon as it is
+up. Timeouts are the caller's: the engine wraps every request in `asyncio.timeout`. An HTTP/1.1
+connection is reused only after a complete exchange; anything cut midway closes it. A stream the
+server never processed (GOAWAY, REFUSED_STREAM) is sent again on another connection.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +22,8 @@ from collections import defaultdict
 
 import h11
 import httpx
+
+from .h2conn import H2Conn, Refused
 
 _READ = 65536
 
@@ -40,23 +47,115 @@ class _Conn:
             pass
 
 
+MAX_CONNECTING = 64
+"""Connections being opened at once. Handshakes that all start together interleave and all finish
+late: 2,000 TLS handshakes begun at once answered their first request after ~10 s on one core, where
+64 at a time lets each connection carry its request as soon as it is up (bench/bench_generate.py)."""
+
+_Key = tuple[bytes, bytes, int]
+
+
+class _Opening:
+    """An HTTP/2 connection being opened for an origin, and how many requests are waiting for it: up to
+    the streams the origin's server last allowed, or all of them for its first connection (its SETTINGS
+    tell how many streams a connection takes before more are opened)."""
+
+    __slots__ = ("task", "claims", "expect")
+
+    def __init__(self, task: asyncio.Task, expect: int):
+        self.task, self.claims, self.expect = task, 0, expect
+
+
 class LeanTransport(httpx.AsyncBaseTransport):
-    """HTTP/1.1 with keep-alive: one connection per request in flight, idle ones kept for reuse."""
+    """HTTP/2 where the server offers it over TLS (many requests per connection), else HTTP/1.1 with
+    keep-alive (one connection per request in flight, idle ones kept for reuse)."""
 
-    def __init__(self, ssl_context: ssl.SSLContext | None = None):
+    def __init__(self, ssl_context: ssl.SSLContext | None = None, max_connecting: int = MAX_CONNECTING,
+                 http2: bool = True):
         self._ssl = ssl_context or httpx.create_ssl_context()
-        self._idle: dict[tuple[bytes, bytes, int], list[_Conn]] = defaultdict(list)
+        self._http2 = http2
+        self._ssl.set_alpn_protocols(["h2", "http/1.1"] if http2 else ["http/1.1"])
+        self._idle: dict[_Key, list[_Conn]] = defaultdict(list)
+        self._h2: dict[_Key, list[H2Conn]] = defaultdict(list)
+        self._opening: dict[_Key, list[_Opening]] = defaultdict(list)
+        self._h1_only: set[_Key] = set()  # origins whose server chose HTTP/1.1
+        self._streams: dict[_Key, int] = {}  # the last MAX_CONCURRENT_STREAMS an origin's server gave
+        self._connecting = asyncio.Semaphore(max_connecting)
 
-    async def _connect(self, url: httpx.URL) -> _Conn:
+    async def _open(self, url: httpx.URL) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         https = url.scheme == "https"
         port = url.port or (443 if https else 80)
-        try:
-            reader, writer = await asyncio.open_connection(
-                url.host, port, ssl=self._ssl if https else None, server_hostname=url.host if https else None,
-                limit=_READ * 4)
-        except OSError as e:
-            raise httpx.ConnectError(f"cannot connect to {url.host}:{port}: {e}") from None
+        async with self._connecting:
+            try:
+                return await asyncio.open_connection(
+                    url.host, port, ssl=self._ssl if https else None, server_hostname=url.host if https else None,
+                    limit=_READ * 4)
+            except OSError as e:
+                raise httpx.ConnectError(f"cannot connect to {url.host}:{port}: {e}") from None
+
+    async def _connect(self, url: httpx.URL) -> _Conn:
+        reader, writer = await self._open(url)
         return _Conn(reader, writer)
+
+    async def _open_any(self, key: _Key, url: httpx.URL) -> None:
+        """Open a connection to the origin: an HTTP/2 one joins the origin's pool once its server's
+        SETTINGS arrived; an HTTP/1.1 one (the server chose it) goes to the idle list."""
+        reader, writer = await self._open(url)
+        tls = writer.get_extra_info("ssl_object")
+        if tls is not None and tls.selected_alpn_protocol() == "h2":
+            conn = H2Conn(reader, writer, url.netloc)
+            try:
+                await conn.ready
+            except Refused:
+                conn.close()
+                raise httpx.RemoteProtocolError("the server closed the new HTTP/2 connection at once") from None
+            except BaseException:
+                conn.close()
+                raise
+            self._streams[key] = conn.capacity
+            self._h2[key].append(conn)
+        else:
+            self._h1_only.add(key)
+            self._idle[key].append(_Conn(reader, writer))
+
+    def _h2_with_room(self, key: _Key) -> H2Conn | None:
+        conns = self._h2.get(key)
+        if not conns:
+            return None
+        for c in conns:
+            if c.has_room():
+                return c
+        if any(not c.usable() for c in conns):
+            conns[:] = [c for c in conns if c.usable()]
+        return None
+
+    async def _send_h2(self, key: _Key, url: httpx.URL, method: bytes, headers: list[tuple[bytes, bytes]],
+                       body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """Over HTTP/2 when the origin speaks it (None when its server chose HTTP/1.1)."""
+        refused = 0
+        while key not in self._h1_only:
+            conn = self._h2_with_room(key)
+            if conn is not None:
+                try:
+                    return await conn.request(method, url.raw_path, headers, body)
+                except Refused:
+                    refused += 1
+                    if refused > 3:
+                        raise httpx.RemoteProtocolError("the server refused the HTTP/2 stream 4 times") from None
+                    continue
+            opening = self._opening[key]
+            op = next((o for o in opening if o.claims < o.expect), None)
+            if op is None:
+                op = _Opening(asyncio.get_running_loop().create_task(self._open_any(key, url)),
+                              self._streams.get(key, 1 << 30))
+                op.task.add_done_callback(lambda t, o=op, lst=opening: lst.remove(o))
+                opening.append(op)
+            op.claims += 1
+            try:
+                await asyncio.shield(op.task)
+            finally:
+                op.claims -= 1
+        return None
 
     async def _exchange(self, conn: _Conn, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                         body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -92,6 +191,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
         Errors are httpx's (`ConnectError`, `RemoteProtocolError`), as through the client.
         """
         key = (url.raw_scheme, url.raw_host, url.port or 0)
+        if self._http2 and url.scheme == "https" and key not in self._h1_only:
+            result = await self._send_h2(key, url, method, headers, body)
+            if result is not None:
+                return result
         target = url.raw_path
         idle = self._idle[key]
         for attempt in (0, 1):
@@ -130,6 +233,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
                               extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:
+        for ops in self._opening.values():
+            for op in ops:
+                op.task.cancel()
+        for h2s in self._h2.values():
+            for h in h2s:
+                h.close()
+        self._h2.clear()
         for conns in self._idle.values():
             for c in conns:
                 c.close()
