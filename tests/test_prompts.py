@@ -3,7 +3,8 @@
 import json
 
 from eagle3data.profiles import QWEN3, SMOLLM2
-from eagle3data.prompts import Prompt, builtin_datasets, load_prompts, messages_for_template, template_prompt
+from eagle3data.prompts import (Prompt, builtin_datasets, load_prompts, messages_for_template, template_prompt,
+                                template_prompts)
 
 GOOD = {"sample_id": 1, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -149,3 +150,34 @@ def test_headless_generate_exits_non_zero_with_one_line_for_an_unusable_dataset(
     assert f"dataset bad: no usable prompt in {bad}" in proc.stderr and "Traceback" not in proc.stderr
     assert f"{bad}:1: not valid JSON: the line is cut off" in proc.stdout  # 01 printed the reasons
     assert not (tmp_path / "out" / "ci" / "records" / "bad.jsonl").exists()
+
+
+def test_batched_templating_gives_the_ids_of_apply_chat_template(qwen, smollm2_tokenizer):
+    """The engine templates prompts in chunks (`template_prompts`: render each, one encode call); its ids
+    must be exactly what `apply_chat_template(tokenize=True)` gives one prompt at a time, on the real
+    vocabularies, for multi-turn prompts with tools, tool calls and results, unicode and added-token text."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    prompts = [
+        Prompt("d", 0, [{"role": "user", "content": "Naïve café — 2+2? 日本語で答えて 🙂"}]),
+        Prompt("d", 1, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello! How can I help?"},
+                        {"role": "user", "content": "Write `<|im_end|>` literally.\n\n  indented\ttab"}]),
+        Prompt("d", 2, [{"role": "user", "content": "Weather in Paris?"},
+                        {"role": "assistant", "content": "", "tool_calls": [
+                            {"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp_c\": 21}"},
+                        {"role": "user", "content": "And tomorrow?"}], tools=tools),
+    ]
+    for tok, profile in ((qwen, QWEN3), (smollm2_tokenizer, SMOLLM2)):
+        one_by_one = []
+        for p in prompts:
+            msgs, tls = messages_for_template(p, profile)
+            kwargs = dict(profile.template_kwargs, **({"tools": tls} if tls else {}))
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+            one_by_one.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        assert template_prompts(tok, prompts, profile) == one_by_one
+        assert [template_prompt(tok, p, profile) for p in prompts] == one_by_one
+        assert template_prompts(tok, [], profile) == []

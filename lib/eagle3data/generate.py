@@ -41,7 +41,7 @@ from typing import Any, Iterator
 from .ledger import DatasetLedger, ledger_frame, provider_frame, read_ledger, write_ledger
 from .params import RunParams
 from .profiles import get_profile
-from .prompts import Prompt, PromptDataError, PromptSet, load_datasets, template_prompt
+from .prompts import Prompt, PromptDataError, PromptSet, load_datasets, template_prompt, template_prompts
 from .reader import SampleKey
 from .records import Journal, Record, Usage, scan_journal
 from .turns import Conversation
@@ -453,14 +453,15 @@ def _too_long(params: RunParams, dataset: str, sample_id: Any, ids: list[int]) -
 
 
 def _preparer(params: RunParams, tokenizer: Any, profile: Any):
-    """The engine's `prepare`: template a job's prompt; reject it when it reaches model.max_context."""
+    """The engine's `prepare`: template jobs' prompts (one tokenizer call); reject those that reach
+    model.max_context."""
 
-    def prepare(job: Any) -> None:
-        ids = template_prompt(tokenizer, job.prompt, profile)
-        which = job.sample_id if job.turn is None else f"{job.sample_id}#{job.turn}"
-        job.rejected = _too_long(params, job.dataset, which, ids)
-        if job.rejected is None:
-            job.prompt_ids, job.reserve = ids, _reserve(params, ids)
+    def prepare(jobs: list[Any]) -> None:
+        for job, ids in zip(jobs, template_prompts(tokenizer, [j.prompt for j in jobs], profile)):
+            which = job.sample_id if job.turn is None else f"{job.sample_id}#{job.turn}"
+            job.rejected = _too_long(params, job.dataset, which, ids)
+            if job.rejected is None:
+                job.prompt_ids, job.reserve = ids, _reserve(params, ids)
 
     return prepare
 

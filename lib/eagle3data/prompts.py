@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import orjson
 
@@ -497,16 +497,28 @@ def messages_for_template(prompt: Prompt, profile: Profile) -> tuple[list[dict[s
     return msgs, None
 
 
+def template_prompts(tokenizer: Any, prompts: Sequence[Prompt], profile: Profile) -> list[list[int]]:
+    """Prompt ids of many prompts: the chat template with the generation prompt and the profile's options.
+
+    Each prompt is rendered to text by the template, then all are encoded in one tokenizer call with
+    `add_special_tokens=False`: what `apply_chat_template(tokenize=True)` does per prompt (it encodes
+    its rendered text the same way), at about half the CPU per prompt for short prompts (the per-call
+    overhead of the fast tokenizer's Python wrapper is paid once per batch)."""
+    texts = []
+    for prompt in prompts:
+        msgs, tools = messages_for_template(prompt, profile)
+        kwargs = dict(profile.template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        texts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs))
+    if not texts:
+        return []
+    return [[int(i) for i in ids] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
 def template_prompt(tokenizer: Any, prompt: Prompt, profile: Profile) -> list[int]:
-    """Prompt ids: the chat template with the generation prompt and the profile's options."""
-    msgs, tools = messages_for_template(prompt, profile)
-    kwargs = dict(profile.template_kwargs)
-    if tools:
-        kwargs["tools"] = tools
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
-    if isinstance(ids, dict):  # some tokenizers ignore return_dict=False
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    """Prompt ids of one prompt (`template_prompts` of one)."""
+    return template_prompts(tokenizer, [prompt], profile)[0]
 
 
 # ---------------------------------------------------------------- `python -m eagle3data prompts`
