@@ -3,17 +3,19 @@
 A loopback OpenAI-compatible server (tests/loopback.py: raw asyncio, prepared 1-8 KB
 reasoning+content bodies, in its own process on its own core) answers every request after
 a fixed latency L. Over TLS it serves a self-signed ECDSA P-256 certificate that this bench
-makes with `openssl` (trusted by the clients through SSL_CERT_FILE / an SSL context). The
-clients run on the other core(s), each in a fresh process (clean CPU and RSS figures), at
-the same number in flight, journaling every response:
+makes with `openssl` (trusted by the clients through SSL_CERT_FILE / an SSL context) and
+offers HTTP/2 (256 streams per connection, as large CDNs) beside HTTP/1.1 by ALPN, as
+public HTTPS servers do. The clients run on the other core(s), each in a fresh process
+(clean CPU and RSS figures), at the same number in flight, journaling every response:
 
 - `lean`: `run_generate` (backend `openai`) on the engine's own transport
-  (`backends/transport.py`, HTTP/1.1 keep-alive on h11, a free list of idle connections);
+  (`backends/transport.py`): over TLS HTTP/2 (`h2`), up to 100 streams per connection, so
+  2,000 in flight open 20 connections; over plain HTTP, HTTP/1.1 keep-alive on h11;
+- `lean_h1`: the same transport with HTTP/2 off (HTTP/1.1 keep-alive on h11, a free list of
+  idle connections: 2,000 connections, 2,000 TLS handshakes);
 - `aiohttp`: the same `run_generate` with aiohttp's connector under the engine
-  (`engine.TRANSPORT` swapped; aiohttp keeps a per-host deque of idle connections);
-- `httpx_h2`: the same with httpx's own transport speaking HTTP/2 (one multiplexed TLS
-  connection; the loopback server speaks HTTP/2 through `h2`, advertising 1,000 concurrent
-  streams, more than public servers do (100-256));
+  (`engine.TRANSPORT` swapped; aiohttp keeps a per-host deque of idle connections, HTTP/1.1);
+- `httpx_h2`: the same with httpx's own transport speaking HTTP/2 (httpcore + h2);
 - `baseline`: `openai.OpenAI(...).chat.completions.create` on a ThreadPoolExecutor of the
   in-flight size (its httpx pool widened to match), one journal line per response.
 
@@ -23,7 +25,9 @@ scan, templating, preflight, connection ramp incl. TLS handshakes, last wave's t
 seconds per 1,000 responses, peak RSS, the ramp as its own figure (call start -> the
 in_flight-th request sent), and the steady state. The goals, over TLS: >= 0.95 of the bound
 over the whole run, <= 0.1x the baseline's CPU per response. The 1-minute load average is
-recorded (the machine is shared). Run: `.venv/bin/python bench/bench_generate.py`
+recorded (the machine is shared). `--long-waves N` adds one longer run of `lean` over TLS
+(`lean/tls_long`): the ramp is paid once per run, so the whole-run figure of a real run
+(hours) is near its steady state. Run: `.venv/bin/python bench/bench_generate.py`
 (`--in-flight 2000 --latency 4 --waves 10`; `--clients`, `--schemes` to measure fewer).
 """
 
@@ -47,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "lib"))
 
 KEY_ENV = "EAGLE3DATA_BENCH_KEY"
-CLIENTS = ("lean", "aiohttp", "httpx_h2")
+CLIENTS = ("lean", "lean_h1", "aiohttp", "httpx_h2")
 
 
 class PeakRSS:
@@ -168,7 +172,11 @@ def run_ours(client: str, base_url: str, prompts: Path, out: Path, n: int, in_fl
     from eagle3data.models import tokenizer_for
     from eagle3data.params import load_params
 
-    if client != "lean":
+    if client == "lean_h1":
+        from eagle3data.backends.transport import LeanTransport
+
+        engine.TRANSPORT = lambda: LeanTransport(http2=False)
+    elif client != "lean":
         engine.TRANSPORT = _transports()[client]
     params = load_params(REPO / "params" / "ci.yaml", {
         "output_root": str(out), "run_name": client, "datasets": [{"name": "bench", "path": str(prompts), "limit": n}],
@@ -257,11 +265,11 @@ def make_cert(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-def start_server(latency: float, core: int | None, cert: tuple[Path, Path] | None, http2: bool):
+def start_server(latency: float, core: int | None, cert: tuple[Path, Path] | None):
     cmd = [sys.executable, str(REPO / "tests" / "loopback.py"), "--kind", "openai", "--latency", str(latency),
            "--body-min", "1024", "--body-max", "8192"]
-    if cert:
-        cmd += ["--tls-cert", str(cert[0]), "--tls-key", str(cert[1])] + (["--http2"] if http2 else [])
+    if cert:  # HTTP/2 and HTTP/1.1 by ALPN, each client takes what it speaks
+        cmd += ["--tls-cert", str(cert[0]), "--tls-key", str(cert[1]), "--http2", "--h2-max-streams", "256"]
     pre = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=pre)
     line = proc.stdout.readline()
@@ -273,7 +281,7 @@ def start_server(latency: float, core: int | None, cert: tuple[Path, Path] | Non
 
 def measure(client: str, scheme: str, args, n: int, cert, server_core, client_cores, env) -> dict:
     tls = scheme == "tls"
-    proc, port = start_server(args.latency, server_core, cert if tls else None, http2=client == "httpx_h2")
+    proc, port = start_server(args.latency, server_core, cert if tls else None)
     base_url = f"{'https' if tls else 'http'}://127.0.0.1:{port}/api/v1"
     server = psutil.Process(proc.pid)
     scpu0 = sum(server.cpu_times()[:2])
@@ -312,6 +320,7 @@ def main() -> None:
                     help="baseline responses = this x in-flight (it is slow: ~20 CPU-ms per response)")
     ap.add_argument("--clients", default=",".join(CLIENTS + ("baseline",)))
     ap.add_argument("--schemes", default="plain,tls")
+    ap.add_argument("--long-waves", type=int, default=30, help="waves of the longer lean/tls run (0: none)")
     ap.add_argument("--out", default=str(REPO / "outputs" / "bench"))
     # child mode (one measured run)
     ap.add_argument("--child")
@@ -355,6 +364,16 @@ def main() -> None:
             res = measure(client, scheme, args, m, cert, server_core, client_cores, env)
             runs[f"{client}/{scheme}"] = res
             print(f"{client:9s} {scheme:5s}", json.dumps(res), flush=True)
+    if args.long_waves and "lean" in clients and "tls" in schemes:
+        m = args.long_waves * args.in_flight
+        with open(work / "prompts.jsonl", "ab") as f:  # more prompts for the longer run
+            for i in range(max(n, args.baseline_waves * args.in_flight), m):
+                f.write(orjson.dumps({"sample_id": i, "messages": [
+                    {"role": "user", "content": f"Question {i}: explain step by step how to compute the sum of "
+                                                f"the first {i % 97 + 3} odd numbers, then check the result."}]}) + b"\n")
+        res = runs["lean/tls_long"] = measure("lean", "tls", args, m, cert, server_core, client_cores, env)
+        res["waves"] = args.long_waves
+        print(f"{'lean':9s} tls_long", json.dumps(res), flush=True)
     result = {
         "in_flight": args.in_flight, "latency_s": args.latency, "responses": n,
         "baseline_responses": args.baseline_waves * args.in_flight, "bound_responses_per_s": bound,
@@ -370,20 +389,19 @@ def main() -> None:
         "body_bytes": [1024, 8192], "journaling": True, "runs": runs,
         "goals_over_tls": {"throughput_over_bound": ">= 0.95", "cpu_per_1000_ratio_vs_baseline": "<= 0.1"},
     }
-    for scheme in schemes:
-        base = runs.get(f"baseline/{scheme}")
-        for client in CLIENTS:
-            r = runs.get(f"{client}/{scheme}")
-            if r and base and not r.get("failed") and not base.get("failed"):
-                r["cpu_per_1000_ratio_vs_baseline"] = r["cpu_s_per_1000"] / base["cpu_s_per_1000"]
-                r["peak_rss_ratio_vs_baseline"] = r["peak_rss_mb"] / base["peak_rss_mb"]
+    for name, r in runs.items():
+        client, scheme = name.split("/")
+        base = runs.get(f"baseline/{scheme.removesuffix('_long')}")
+        if client != "baseline" and base and not r.get("failed") and not base.get("failed"):
+            r["cpu_per_1000_ratio_vs_baseline"] = r["cpu_s_per_1000"] / base["cpu_s_per_1000"]
+            r["peak_rss_ratio_vs_baseline"] = r["peak_rss_mb"] / base["peak_rss_mb"]
     lean = runs.get("lean/tls")
     if lean and not lean.get("failed"):
         result["lean_vs_libraries_over_tls"] = {
             c: {"throughput_ratio": lean["responses_per_s"] / r["responses_per_s"],
                 "cpu_per_1000_ratio": lean["cpu_s_per_1000"] / r["cpu_s_per_1000"],
                 "peak_rss_ratio": lean["peak_rss_mb"] / r["peak_rss_mb"]}
-            for c in ("aiohttp", "httpx_h2") if (r := runs.get(f"{c}/tls")) and not r.get("failed")}
+            for c in ("lean_h1", "aiohttp", "httpx_h2") if (r := runs.get(f"{c}/tls")) and not r.get("failed")}
     (out / "generate.json").write_text(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)  # journals of every run: only the figures are kept
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
