@@ -20,7 +20,8 @@ import orjson
 import pandas as pd
 
 from .checks import (CHECK_NAMES, CHECKS, FAIL, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
-                     iter_checks, on_policy_checks, structural_checks, suffix_check, tokenizer_checks)
+                     billed_prompt_checks, iter_checks, on_policy_checks, structural_checks, suffix_check,
+                     tokenizer_checks)
 from .idtable import AuditInputError, IdTable, concat_tables, load_run, merge_reconstruct, read_journal, split_superseded
 from .profiles import Profile, get_profile
 from .stats import upper95
@@ -43,6 +44,7 @@ class AuditResult:
     notes: list[str] = field(default_factory=list)
     superseded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
         columns=["dataset", "sample_id", "finish_reason", "file", "line", "record_line"]))
+    prompt_calibration: list[dict[str, Any]] = field(default_factory=list)  # billed prompt counts per group
 
     @property
     def meta(self) -> pd.DataFrame:
@@ -176,6 +178,7 @@ class AuditResult:
             "failures": _jsonable(fails.to_dict(orient="records")),
             "ids_from": _jsonable(self.meta.get("ids_from", pd.Series(dtype=str)).value_counts().to_dict()),
             "proof_levels": _jsonable(self.meta.get("proof_level", pd.Series(dtype=str)).value_counts().to_dict()),
+            "prompt_calibration": _jsonable(self.prompt_calibration),
             "bad_lines": self.table.bad_lines,
             "torn_tail_bytes": self.table.torn_tail_bytes,
             "superseded_lines": len(self.superseded),
@@ -229,7 +232,7 @@ def _verdict(r: Any) -> str:
 
 
 def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
-                progress: bool = False) -> AuditResult:
+                progress: bool = False, calibration: dict[str, Any] | None = None) -> AuditResult:
     """Run every check that applies to this profile on the records of an IdTable.
 
     The table may hold every journal line: the supersede rule keeps one row per key (the
@@ -254,6 +257,8 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
         st.update(tokenizer_checks(table, profile, tokenizer, pos, roundtrip=roundtrip, progress=progress))
     st.update(cross_record_checks(table))
     st.update(on_policy_checks(table))
+    billed, prompt_calibration = billed_prompt_checks(table, calibration)
+    st.update(billed)
     cols = {}
     for c in CHECK_NAMES:
         chk = CHECKS[c]
@@ -271,8 +276,14 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
     if len(superseded):
         notes.append(f"{len(superseded)} journal line(s) superseded by a later line of the same sample "
                      "(a retried error): shown in `superseded`, not audited, not counted")
+    for row in prompt_calibration:
+        if row["prompt_offset"] or row["off_offset"]:
+            notes.append(f"billed prompt tokens, provider {row['provider']}, {row['dataset']}: offset "
+                         f"{row['prompt_offset']:+d} from the local template ({'calibrated' if row['calibrated'] else 'not calibrated'}"
+                         f", mode {row['mode']:+d} in {row['mode_share']:.0%}), {row['off_offset']}/{row['records']} "
+                         "record(s) off it")
     return AuditResult(table, profile, status, pos, tokenizer is not None, time.perf_counter() - t0, notes=notes,
-                       superseded=superseded)
+                       superseded=superseded, prompt_calibration=prompt_calibration)
 
 
 # --------------------------------------------------------------------------- damage assessment and the stage
@@ -319,7 +330,10 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
     profile = get_profile(params.profile)
     tokenizer = tokenizer or tokenizer_for(params)
     table = load_run(run_dir, source_fields=True)
-    result = audit_table(table, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip, progress=progress)
+    rp = params.reconstruct
+    result = audit_table(table, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip, progress=progress,
+                         calibration={"min_records": rp.calibration_min_records,
+                                      "min_share": rp.calibration_min_share, "max_offset": rp.max_count_offset})
     result.ledger = read_ledger(run_dir)
     if not (run_dir / "reconstruct").is_dir() and (table.meta["source"] == "api").any():
         result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")

@@ -63,6 +63,8 @@ _CHECK_LIST = [
     Check("prompt.tools_present", "every tool of the source is named in the decoded prompt", needs_tokenizer=True),
     Check("prompt.system_present", "the source's system prompt is in the decoded prompt", needs_tokenizer=True),
     Check("prompt.retemplate", "prompt ids equal re-templating the source messages", needs_tokenizer=True),
+    Check("prompt.billed_count", "an API record's billed prompt tokens equal its prompt ids' length, after the offset "
+          "calibrated per (provider, dataset) as 02's counts are: the server rendered the prompt we templated"),
     Check("prompt.on_policy", "a turn's history holds the model's own journaled replies of its earlier turns, in order "
           "(generate.turns: all), not the dataset's"),
     Check("text.roundtrip", "encode(decode(output ids)) gives the same ids", needs_tokenizer=True),
@@ -475,6 +477,49 @@ def _reply_view(msg: dict[str, Any]) -> tuple[Any, ...]:
     calls = tuple((str((c.get("function") or {}).get("name")), str((c.get("function") or {}).get("arguments")))
                   for c in msg.get("tool_calls") or [] if isinstance(c, dict))
     return msg.get("content") or "", msg.get("reasoning_content"), calls
+
+
+PROMPT_CALIBRATION = {"min_records": 10, "min_share": 0.6, "max_offset": 3}
+"""Defaults of the billed prompt-count calibration: reconstruct params' calibration_min_records,
+calibration_min_share and max_count_offset (run_audit passes the run's own)."""
+
+
+def billed_prompt_checks(table: IdTable, calibration: dict[str, Any] | None = None
+                         ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """`prompt.billed_count` per record, and the calibration table (one row per (provider, dataset)).
+
+    For API records (`source: api`) with billed `usage.prompt_tokens` and prompt ids: the billed
+    count minus the prompt's length must be the group's offset, learned as 02 learns completion
+    offsets (`stats.calibrated_offset`: the most common difference when enough records agree and it
+    is small, else 0). A record off it was billed for a prompt other than the one we templated (a
+    provider that injects a system prompt, renders tools or the history differently, drops reasoning
+    we kept): its prompt ids are not what the model saw. n/a for engine records and records without a
+    billed count.
+    """
+    from .stats import calibrated_offset
+
+    cal = dict(PROMPT_CALIBRATION, **(calibration or {}))
+    n = len(table)
+    st = np.full(n, NA, np.int8)
+    m = table.meta
+    if n == 0 or "billed_prompt_tokens" not in m:
+        return {"prompt.billed_count": st}, []
+    billed = pd.to_numeric(m["billed_prompt_tokens"], errors="coerce").to_numpy(dtype=float)
+    api = (m["source"].to_numpy(dtype=object) == "api") & table.has_prompt & ~np.isnan(billed)
+    rows = np.flatnonzero(api)
+    diff = np.zeros(n, np.int64)
+    diff[rows] = billed[rows].astype(np.int64) - table.prompt_len[rows]
+    groups = pd.DataFrame({"provider": m["provider"].iloc[rows].fillna("?").astype(str).to_numpy(),
+                           "dataset": m["dataset"].iloc[rows].astype(str).to_numpy(), "row": rows})
+    out = []
+    for (provider, dataset), g in groups.groupby(["provider", "dataset"], sort=True):
+        r = g["row"].to_numpy()
+        offset, ok, mode, share = calibrated_offset(diff[r].tolist(), **cal)
+        good = diff[r] == offset
+        st[r] = np.where(good, PASS, FAIL)
+        out.append({"provider": provider, "dataset": dataset, "records": len(r), "prompt_offset": offset,
+                    "calibrated": ok, "mode": mode, "mode_share": round(share, 4), "off_offset": int((~good).sum())})
+    return {"prompt.billed_count": st}, out
 
 
 def on_policy_checks(table: IdTable) -> dict[str, np.ndarray]:

@@ -108,6 +108,8 @@ def _assemble_table(objs: list[dict[str, Any]], prompt: tuple[np.ndarray, np.nda
                     output: tuple[np.ndarray, np.ndarray, np.ndarray], source_fields: bool) -> IdTable:
     """An IdTable from parsed records and their flat (ids, offsets, present) prompt/output arrays."""
     meta = pd.DataFrame({c: [o.get(c) for o in objs] for c in META_COLUMNS})
+    meta["billed_prompt_tokens"] = [u.get("prompt_tokens") if isinstance(u := o.get("usage"), dict) else None
+                                    for o in objs]
     t = IdTable(meta, *prompt, *output)
     if source_fields:
         t.messages = [o.get("messages") for o in objs]
@@ -403,9 +405,25 @@ def _list_column(col: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return vals, off, has
 
 
+def _struct_field(tab: Any, column: str, field: str) -> list[Any]:
+    """`column.field` per row of an arrow table (None where the column, the field or the value is absent)."""
+    import pyarrow as pa
+
+    if column not in tab.column_names:
+        return [None] * tab.num_rows
+    col = tab.column(column)
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not pa.types.is_struct(arr.type) or arr.type.get_field_index(field) < 0:
+        return [None] * tab.num_rows
+    values = arr.field(field).to_pylist()
+    valid = arr.is_valid().to_pylist()
+    return [v if ok else None for v, ok in zip(values, valid)]
+
+
 def _table_from_arrow(tab: Any) -> IdTable:
     meta = pd.DataFrame({c: tab.column(c).to_pylist() if c in tab.column_names else [None] * tab.num_rows
                          for c in META_COLUMNS})
+    meta["billed_prompt_tokens"] = _struct_field(tab, "usage", "prompt_tokens")
     meta["line"] = np.arange(1, len(meta) + 1)
     if meta["dataset"].isna().any() or meta["sample_id"].isna().any() or meta["finish_reason"].isna().any():
         raise ValueError("missing key fields")

@@ -35,7 +35,7 @@ import numpy as np
 import orjson
 
 from .profiles import Profile
-from .stats import wilson_interval
+from .stats import calibrated_offset, wilson_interval
 
 from .rebuild import (  # noqa: F401  (re-exported: `from eagle3data.reconstruct import ...` keeps working)
     FLAGS, PROOF_LEVELS, PROOF_RANK, PROOF_MEANING, _FAILED_FLAGS, _RISKY_FLAGS, _CALIBRATED_FLAGS, ApiTurn,
@@ -154,17 +154,6 @@ def _end_of(finish_reason: str | None) -> str:
     return "length" if finish_reason in ("length", "abort") else "stop"
 
 
-def _mode(values: list[int]) -> tuple[int | None, float]:
-    """The most common value (the smallest on a tie) and its share, or (None, 0.0) when empty."""
-    if not values:
-        return None, 0.0
-    counts: dict[int, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    best = min(counts, key=lambda v: (-counts[v], abs(v), v))
-    return best, counts[best] / len(values)
-
-
 def calibrate(groups: dict[tuple[str, str, str], list[Rebuilt]], *, min_records: int = 10, min_share: float = 0.6,
               max_offset: int = 3) -> list[dict[str, Any]]:
     """Learn per (provider, dataset, end) how billed counts relate to rebuilt lengths; grade every record with it.
@@ -181,14 +170,13 @@ def calibrate(groups: dict[tuple[str, str, str], list[Rebuilt]], *, min_records:
     table = []
     for (provider, dataset, end), rbs in sorted(groups.items()):
         diffs = [rb.count_diff for rb in rbs if rb.count_diff is not None]
-        off, share = _mode(diffs)
-        ok = off is not None and len(diffs) >= min_records and share >= min_share and abs(off) <= max_offset
+        count_offset, ok, off, share = calibrated_offset(diffs, min_records=min_records, min_share=min_share,
+                                                         max_offset=max_offset)
         r_diffs = [rb.reasoning_diff for rb in rbs if rb.reasoning_diff is not None]
-        r_off, r_share = _mode(r_diffs)
-        r_ok = r_off is not None and len(r_diffs) >= min_records and r_share >= min_share and abs(r_off) <= max_offset
-        count_offset = int(off) if ok else 0  # type: ignore[arg-type]
+        r_cal, r_ok, r_off, r_share = calibrated_offset(r_diffs, min_records=min_records, min_share=min_share,
+                                                        max_offset=max_offset)
         # reasoning counts: too few records -> offset 0, like the total; enough but scattered -> not used (None)
-        reasoning_offset = int(r_off) if r_ok else (0 if len(r_diffs) < min_records else None)  # type: ignore[arg-type]
+        reasoning_offset = r_cal if r_ok else (0 if len(r_diffs) < min_records else None)
         for rb in rbs:
             rb.grade(count_offset, reasoning_offset)
         table.append({

@@ -1,4 +1,5 @@
-"""Honest numbers from small counts: the Wilson interval and the rule-of-three bound, in one place."""
+"""Honest numbers from small counts: the Wilson interval, the rule-of-three bound and the calibrated
+count offset, in one place."""
 
 from __future__ import annotations
 
@@ -25,3 +26,26 @@ def upper95(failed: int, n: int) -> float:
     if failed == 0:
         return min(1.0, 3.0 / n)
     return wilson_interval(failed, n)[1]
+
+
+def mode_share(values: list[int]) -> tuple[int | None, float]:
+    """The most common value (the smallest in size on a tie) and its share, or (None, 0.0) when empty."""
+    if not values:
+        return None, 0.0
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    best = min(counts, key=lambda v: (-counts[v], abs(v), v))
+    return best, counts[best] / len(values)
+
+
+def calibrated_offset(diffs: list[int], *, min_records: int, min_share: float, max_offset: int
+                      ) -> tuple[int, bool, int | None, float]:
+    """How a provider's billed token counts relate to ours, learned from a group's records (one rule for
+    02's completion counts and 03's prompt counts): the most common difference is the group's offset when
+    at least `min_records` records have one, it holds for at least `min_share` of them and
+    `|offset| <= max_offset`; otherwise the offset is 0 (billed must equal ours).
+    Returns (offset, calibrated, mode, mode's share)."""
+    mode, share = mode_share(diffs)
+    ok = mode is not None and len(diffs) >= min_records and share >= min_share and abs(mode) <= max_offset
+    return (int(mode) if ok else 0), ok, mode, share  # type: ignore[arg-type]
