@@ -295,3 +295,36 @@ def test_http2_off_speaks_http1_to_a_server_that_offers_both(cert):
             await t.aclose()
 
         run(main())
+
+
+def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_path, monkeypatch):
+    """The documented path end to end: 01's engine against an HTTPS OpenRouter-shaped server that offers h2
+    and http/1.1 (the certificate trusted through SSL_CERT_FILE, as httpx reads it): every prompt journaled
+    once, generation requests multiplexed over a few HTTP/2 connections, none over HTTP/1.1 but preflight's."""
+    import orjson
+
+    from eagle3data.generate import run_generate
+    from eagle3data.params import load_params
+    from eagle3data.records import scan_journal
+
+    from pathlib import Path
+
+    Loopback, server_ctx, _ = _tls_pair(cert)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert[0]))
+    monkeypatch.setenv("EAGLE3DATA_TEST_KEY", "sk-or-v1-loopback-not-a-real-key")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b"".join(orjson.dumps({"sample_id": i, "messages": [
+        {"role": "user", "content": f"Frage {i}: wie viel ist {i} + {i}? 🙂"}]}) + b"\n" for i in range(40)))
+    with Loopback("openai", latency=0.2, ssl_context=server_ctx, http2=True, h2_max_streams=8) as srv:
+        params = load_params(Path(__file__).resolve().parents[1] / "params" / "ci.yaml", {
+            "output_root": str(tmp_path / "out"), "run_name": "run", "datasets": [{"name": "d", "path": str(prompts)}],
+            "generate.backend": "openai", "generate.concurrency": 40, "generate.timeout_s": 10,
+            "generate.openai": {"base_url": srv.base_url, "model": "moonshotai/kimi-k2.5",
+                                "api_key_env": "EAGLE3DATA_TEST_KEY", "reasoning": {"enabled": True}}})
+        summary = run_generate(params, progress=False)
+    recs = scan_journal(params.run_dir / "records" / "d.jsonl").records
+    assert summary.status == "finished" and sorted(r["sample_id"] for r in recs) == list(range(40))
+    assert all(r["finish_reason"] == "stop" and r["prompt_ids"] for r in recs)
+    generation = [r for r in srv.requests if r["path"] == "/chat/completions"]
+    assert len(generation) == 40
+    assert 5 <= srv.connections["h2"] <= 8  # ceil(40 / 8) streams-full connections, not one per request

@@ -176,7 +176,7 @@ class H2Conn:
         st = self.streams[sid] = _Stream(self._loop)
         try:
             hdrs = [(b":method", method), (b":scheme", b"https"), (b":authority", self.authority),
-                    (b":path", target)] + [(k, v) for k, v in headers if k not in _HOP]
+                    (b":path", target)] + [(k, v) for k, v in ((k.lower(), v) for k, v in headers) if k not in _HOP]
             h.send_headers(sid, hdrs, end_stream=not body)
             view = memoryview(body)
             while view:
