@@ -67,8 +67,9 @@ def smol_clean(ci_run, smollm2_tokenizer):
 def test_clean_kimi_records_pass_every_check(kimi_clean, kimi_tok, tmp_path):
     res = audit_records(kimi_clean, KIMI_K25, kimi_tok, tmp_path)
     assert failures(res) == {}
-    # prompt.on_policy applies to turn records only (generate.turns: all; tests/test_turns.py)
-    applicable = res.check_summary()["applicable"].drop("prompt.on_policy")
+    # prompt.on_policy applies to turn records only (generate.turns: all; tests/test_turns.py), prompt.billed_count
+    # to API records with a billed count (these are engine records; tests/test_billed_prompt.py)
+    applicable = res.check_summary()["applicable"].drop(["prompt.on_policy", "prompt.billed_count"])
     # every check ran on these records: nothing is silently "not run" with a tokenizer
     assert (applicable > 0).all(), applicable[applicable == 0]
 
