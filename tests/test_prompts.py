@@ -181,3 +181,17 @@ def test_batched_templating_gives_the_ids_of_apply_chat_template(qwen, smollm2_t
         assert template_prompts(tok, prompts, profile) == one_by_one
         assert [template_prompt(tok, p, profile) for p in prompts] == one_by_one
         assert template_prompts(tok, [], profile) == []
+
+
+def test_lines_the_fast_parser_refuses_read_as_the_stdlib_reads_them(tmp_path):
+    """Prompt lines go through orjson, and through the stdlib `json` where orjson refuses: an escaped lone
+    surrogate (in scraped chat text), an integer past 64 bits, NaN in a meta field read the same as before."""
+    f = tmp_path / "set.jsonl"
+    lines = ['{"sample_id": 1, "messages": [{"role": "user", "content": "emoji cut in half: \\ud83d end"}]}',
+             '{"sample_id": 123456789012345678901234567890, "messages": [{"role": "user", "content": "big id"}]}',
+             '{"sample_id": 3, "messages": [{"role": "user", "content": "Grüße 🙂"}], "meta": {"score": NaN}}']
+    f.write_text("\n".join(lines) + "\n")
+    ps = load_prompts(f)
+    assert not ps.skipped
+    assert [p.messages[0]["content"] for p in ps.prompts] == [json.loads(x)["messages"][0]["content"] for x in lines]
+    assert ps.prompts[1].sample_id == 123456789012345678901234567890
