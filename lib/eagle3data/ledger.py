@@ -94,6 +94,14 @@ class DatasetLedger:
         self.skipped += 1
         self.skipped_ids.append(sample_id)
 
+    def reject(self, sample_id: Any, line: str, *, turn: bool = False) -> None:
+        """Count a prompt that is not sent because it is unusable (it reaches model.max_context): skipped, its
+        reason line kept; a conversation's turn also ends the conversation (`too_long`)."""
+        self.skip(sample_id)
+        self.rejected_prompt_lines.append(line)
+        if turn:
+            self.end_conversation("too_long")
+
     def cancel(self, sample_id: Any) -> None:
         """Count a sample whose work was cut while in progress."""
         self.cancelled += 1

@@ -402,10 +402,7 @@ class Engine:
         if job.prompt_ids is None and job.rejected is None and self.prepare is not None:
             self.prepare([job])
         if job.rejected is not None:
-            self.ledger[job.dataset].skip(job.sample_id)
-            self.ledger[job.dataset].rejected_prompt_lines.append(job.rejected)
-            if job.conversation is not None:
-                self.ledger[job.dataset].end_conversation("too_long")
+            self.ledger[job.dataset].reject(job.sample_id, job.rejected, turn=job.conversation is not None)
             return False
         return True
 
