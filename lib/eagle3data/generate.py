@@ -163,17 +163,14 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
             else:
                 done_keys.add(k)
         led.resumed = led.done
-        for p in ps.prompts:
-            if SampleKey(name, p.sample_id) in done_keys:
-                continue
-            if not template:
-                pending.append((p, None))
-                continue
-            ids = template_prompt(tokenizer, p, profile)
+        todo = [p for p in ps.prompts if SampleKey(name, p.sample_id) not in done_keys]
+        if not template:
+            pending.extend((p, None) for p in todo)
+            continue
+        for p, ids in zip(todo, template_prompts(tokenizer, todo, profile)):
             too_long = _too_long(params, name, p.sample_id, ids)
             if too_long:
-                led.skip(p.sample_id)
-                led.rejected_prompt_lines.append(too_long)
+                led.reject(p.sample_id, too_long)
                 continue
             pending.append((p, ids))
     return RunPlan(ledger, pending, done_keys, torn, bad, convs)
@@ -222,9 +219,7 @@ def _plan_conversations(params: RunParams, name: str, ps: PromptSet, records: li
             ids = template_prompt(tokenizer, tp, profile)
             too_long = _too_long(params, name, f"{p.sample_id}#{conv.turn}", ids)
             if too_long:
-                led.skip(p.sample_id)
-                led.rejected_prompt_lines.append(too_long)
-                led.end_conversation("too_long")
+                led.reject(p.sample_id, too_long, turn=True)
                 continue
         pending.append((tp, ids))
         convs[(name, str(p.sample_id))] = conv
@@ -402,9 +397,7 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
                     led.planned += 1
                     too_long = _too_long(params, p.dataset, f"{p.sample_id}#{conv.turn}", nids)
                     if too_long:
-                        led.skip(p.sample_id)
-                        led.rejected_prompt_lines.append(too_long)
-                        led.end_conversation("too_long")
+                        led.reject(p.sample_id, too_long, turn=True)
                         continue
                     queue.append((tp, nids))
                 chunk = []
