@@ -163,6 +163,7 @@ class _H2Conn(asyncio.Protocol):
         self.t: asyncio.Transport | None = None
         self.streams: dict[int, tuple[dict[str, str], bytearray]] = {}
         self.pending: dict[int, tuple[memoryview, bool]] = {}
+        self.goaway_last: int | None = None  # after a graceful GOAWAY: the last stream still processed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         from h2.settings import SettingCodes
@@ -196,6 +197,8 @@ class _H2Conn(asyncio.Protocol):
                 self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
             elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id in self.streams:
                 head, body = self.streams.pop(ev.stream_id)
+                if self.goaway_last is not None and ev.stream_id > self.goaway_last:
+                    continue  # refused by the GOAWAY: never processed
                 self.server._handle(_H2Stream(self, ev.stream_id), head[":method"], head[":path"].split("?", 1)[0],
                                     bytes(body))
             elif isinstance(ev, h2.events.WindowUpdated):
@@ -209,16 +212,23 @@ class _H2Conn(asyncio.Protocol):
 
     def goaway(self, sid: int) -> None:
         """Refuse stream `sid` and every later one (GOAWAY naming the stream before it as the last processed);
-        earlier streams are still answered, as a server shutting down gracefully does."""
+        earlier streams are still answered and the connection stays open, as a server shutting down
+        gracefully does. The frame is written by hand: `h2`'s `close_connection` closes its state machine,
+        after which it can answer no stream and errors on the client's next frame (the server then closed
+        the socket with the client's data unread, and the reset could overtake the GOAWAY)."""
+        from hyperframe.frame import GoAwayFrame
+
         if self.t is None or self.t.is_closing():
             return
-        self.h2.close_connection(last_stream_id=max(0, sid - 2))
-        self.t.write(self.h2.data_to_send())
+        self.goaway_last = max(0, sid - 2)
+        frame = GoAwayFrame(0)
+        frame.last_stream_id = self.goaway_last
+        self.t.write(self.h2.data_to_send() + frame.serialize())
 
     def respond(self, sid: int, status: int, body: bytes, headers: dict[str, str], truncate: bool) -> None:
         import h2.exceptions
 
-        if self.t is None or self.t.is_closing():
+        if self.t is None or self.t.is_closing() or (self.goaway_last is not None and sid > self.goaway_last):
             return
         hdrs = [(":status", str(status)), ("content-type", "application/json"), ("content-length", str(len(body)))]
         try:
