@@ -263,3 +263,25 @@ def test_rejected_prompt_lines_reach_the_terminal_after_01(tmp_path, monkeypatch
     assert lines[i + 1:i + 4] == [f"    {x}" for x in rej[:3]]  # the first three, as the ledger has them
     assert "1 more" in lines[i + 4] and "ledger.json" in lines[i + 4]
     assert cli.rejected_prompt_report(tmp_path / "nowhere") == []  # no ledger: nothing to say
+
+
+def test_kernel_process_stderr_goes_to_the_stage_log(tmp_path, capfd):
+    """What the kernel's process writes on its own stderr (here: a child process standing in for it, writing
+    what a dying zmq thread prints after a stop) goes to the stage's log beside its notebook, never to the
+    terminal of `eagle3data run`; the terminal's stderr is back afterwards; a failure names the log only when
+    it holds more than the kernel's start-up warning."""
+    from eagle3data.cli import KERNEL_NOISE, _kernel_stderr_to, _log_has_news
+
+    log = tmp_path / "01_generate.stderr.log"
+    with _kernel_stderr_to(log):
+        subprocess.run([sys.executable, "-c", f"import sys; sys.stderr.write({KERNEL_NOISE[0]!r} + '\\n')"],
+                       check=True)
+    assert not _log_has_news(log)
+    with _kernel_stderr_to(log):
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('Exception in thread Heartbeat:\\n"
+                        "Traceback (most recent call last):\\nzmq.error.ContextTerminated\\n')"], check=True)
+    print("after", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and KERNEL_NOISE[0] not in err and err.strip() == "after"
+    text = log.read_text()
+    assert KERNEL_NOISE[0] in text and "Exception in thread Heartbeat" in text and _log_has_news(log)

@@ -25,7 +25,6 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -55,22 +54,32 @@ KERNEL_NOISE = ("Kernel is running over TCP without encryption",)
 
 
 @contextmanager
-def _kernel_stderr_filtered() -> Iterator[None]:
-    """Hold back the kernel's start-up warning; pass every other stderr line through."""
+def _kernel_stderr_to(log: Path) -> Iterator[None]:
+    """Send the stderr of the kernel process (and papermill's own) to `log` while a stage runs.
+
+    What a stage says (its progress, warnings, a failing cell's error) reaches the user through the
+    notebook, the progress line and the one-line error; the kernel's own stderr holds its start-up
+    warning and, at shutdown after a stop, the tracebacks of its dying zmq threads. Kept in the stage's
+    log beside its notebook, they never break the one-line promise; a failure names the log."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 2)
         try:
             yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
-            tmp.seek(0)
-            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
-                if not any(n in line for n in KERNEL_NOISE):
-                    sys.stderr.write(line)
+
+
+def _log_has_news(log: Path) -> bool:
+    """The stage log holds a line other than the kernel's start-up warning."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return False
+    return any(line.strip() and not any(n in line for n in KERNEL_NOISE) for line in lines)
 
 
 # ------------------------------------------------------------------ checks before any work
@@ -256,7 +265,7 @@ def execute_notebook(stage: str, params_file: Path, overrides: dict[str, str], o
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / f"{stage}.ipynb"
     try:
-        with _kernel_stderr_filtered():
+        with _kernel_stderr_to(out_dir / f"{stage}.stderr.log"):
             pm.execute_notebook(
                 str(src), str(dst),
                 parameters={"params_file": str(params_file), "overrides": overrides},
@@ -364,8 +373,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"{lead} FAILED after {took} -> {html}")
                 if args.debug:
                     print(failed, file=sys.stderr)
+                log = nb_dir / (stage + ".stderr.log")
+                more = f"; kernel stderr: {_shown_path(log)}" if _log_has_news(log) else ""
                 raise StageFailed(f"{stage} failed: {_cell_error(failed)}; executed notebook: "
-                                f"{_shown_path(nb_dir / (stage + '.ipynb'))}")
+                                f"{_shown_path(nb_dir / (stage + '.ipynb'))}{more}")
             control.external_stop()
             if control.reason is not None:
                 status, _ = _stage_outcome(run_dir, stage)
