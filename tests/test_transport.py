@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import ssl
 import subprocess
 
@@ -221,6 +222,44 @@ def test_http2_multiplexes_requests_up_to_the_servers_stream_limit(cert):
 
         run(main())
     assert len(srv.requests) == 25
+
+
+def test_warm_opens_the_http2_connections_a_wave_needs_before_it_is_sent(cert):
+    """The engine warms the transport before its first wave: ceil(in_flight / the server's stream limit) HTTP/2
+    connections open, and the wave then opens none (its requests do not wait behind handshakes). A server that
+    chooses HTTP/1.1, or one that cannot be reached, is left to the requests (0 warmed, nothing raised)."""
+    Loopback, server_ctx, client_ctx = _tls_pair(cert)
+    with Loopback("openai", latency=0.2, ssl_context=server_ctx, http2=True, h2_max_streams=8) as srv:
+        async def main():
+            t = LeanTransport(client_ctx)
+            url = httpx.URL(srv.base_url + "/chat/completions")
+            assert await t.warm(url, 20) == 3 and srv.connections == {"h2": 3, "http/1.1": 0}
+            assert srv.requests == []  # warming sends no request
+            answers = await asyncio.gather(*(_chat(t, srv) for _ in range(20)))
+            assert {a[0] for a in answers} == {200} and srv.connections["h2"] == 3
+            assert await t.warm(url, 20) == 3 and srv.connections["h2"] == 3  # warm again: nothing more to open
+            await t.aclose()
+
+        run(main())
+    with Loopback("openai", ssl_context=server_ctx, http2=False) as srv:
+        async def h1():
+            t = LeanTransport(client_ctx)
+            assert await t.warm(httpx.URL(srv.base_url + "/chat/completions"), 20) == 0
+            assert (await _chat(t, srv))[0] == 200  # on the probe's connection, kept for it
+            assert srv.connections == {"h2": 0, "http/1.1": 1}
+            await t.aclose()
+
+        run(h1())
+
+    async def unreachable():
+        t = LeanTransport(client_ctx)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        assert await t.warm(httpx.URL(f"https://127.0.0.1:{port}/v1/chat/completions"), 20) == 0
+        await t.aclose()
+
+    run(unreachable())
 
 
 def test_http2_streams_refused_by_goaway_are_sent_again_on_a_new_connection(cert):

@@ -49,6 +49,11 @@ PREPARE_CHUNK = 32
 per prompt of one call each, and 32 short prompts hold the loop ~5 ms."""
 
 
+YIELD_EVERY_S = 0.002
+"""The dispatch loop hands the event loop over at least this often while it sends a wave, so that
+responses, TLS handshakes and the bytes of requests already sent are not held behind it."""
+
+
 class GenerateError(RuntimeError):
     """The run cannot start or must stop (server mismatch, no credit, bad key): the message says why."""
 
@@ -425,9 +430,10 @@ class Engine:
 
     async def _dispatch(self) -> None:
         jobs = self.jobs
-        i = ahead = 0  # jobs[i:] are not dispatched; jobs[:ahead] are templated
+        i = ahead = 0  # jobs[i:] are not dispatched (jobs[:i] are let go); jobs[:ahead] are templated
         bs = max(1, self.backend.batch_size)
         nxt = self._next_turns
+        last_yield = time.perf_counter()
         while self._more(i) and self.stop_reason is None:
             if not self._slots or (i >= len(jobs) and not nxt):  # nothing to send until a turn comes back
                 self._wake.clear()
@@ -452,6 +458,7 @@ class Engine:
                     job = jobs[i]
                     if job.prompt_ids is None and job.rejected is None and self.prepare is not None:
                         self._prepare_from(i)
+                    jobs[i] = None  # type: ignore[call-overload]  # its task holds it until it is journaled, then it goes
                     i += 1
                 if not self._ready(job):
                     continue
@@ -470,8 +477,10 @@ class Engine:
             task = asyncio.create_task(self._run_jobs(self._slots.popleft(), batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            if len(self._tasks) % 256 == 0:
-                await asyncio.sleep(0)  # let responses in while a large first wave goes out
+            now = time.perf_counter()
+            if now - last_yield > YIELD_EVERY_S:  # let responses and handshakes in while a large wave goes out
+                await asyncio.sleep(0)
+                last_yield = time.perf_counter()
         self._skip_rest(jobs[i:])
         self._skip_rest(nxt)
         nxt.clear()
@@ -552,6 +561,9 @@ class Engine:
                              if k.lower() not in (b"content-length", b"accept-encoding")]
             self._headers.append((b"accept-encoding", b"identity"))  # bodies are read as sent
             info = await self.backend.preflight(client)
+            warm = getattr(self._transport, "warm", None)
+            if warm is not None and self.jobs:
+                await warm(self._url, self.s.concurrency)
             self.credit_left = info.get("credit_left_usd")
             self._credit_spent_at_poll = self._spent()
             ticker = asyncio.create_task(self._tick(client))

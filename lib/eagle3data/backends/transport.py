@@ -157,6 +157,29 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 op.claims -= 1
         return None
 
+    async def warm(self, url: httpx.URL, in_flight: int) -> int:
+        """Open, before the first wave, the HTTP/2 connections `in_flight` requests need (the first one
+        tells the server's stream limit, the rest open together): a handshake that waits behind a
+        dispatch loop busy sending the first wave delays every request queued for it. HTTP/1.1 origins
+        (the server chose it, or HTTP/2 is off) are left to open as requests come: one connection per
+        request either way. Returns the HTTP/2 connections open; connection errors are left to the
+        requests, which retry and report them."""
+        if not (self._http2 and url.scheme == "https"):
+            return 0
+        key = (url.raw_scheme, url.raw_host, url.port or 0)
+        try:
+            if not self._h2.get(key) and key not in self._h1_only:
+                await self._open_any(key, url)
+            if key in self._h1_only:
+                return 0
+            per = self._streams.get(key) or 1
+            missing = -(-in_flight // per) - len(self._h2[key])
+            if missing > 0:
+                await asyncio.gather(*(self._open_any(key, url) for _ in range(missing)))
+        except (httpx.HTTPError, OSError):
+            pass
+        return len(self._h2.get(key, ()))
+
     async def _exchange(self, conn: _Conn, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                         body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         h = conn.h11
