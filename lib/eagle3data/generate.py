@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -36,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .ledger import DatasetLedger, ledger_frame, provider_frame, read_ledger, write_ledger
 from .params import RunParams
@@ -131,7 +132,6 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
     for name, ps in sets.items():
         led = ledger[name] = DatasetLedger(planned=len(ps.prompts), rejected_prompt_lines=list(ps.skipped),
                                            budget_tokens=budgets.get(name))
-        plan_keys = {SampleKey(name, p.sample_id) for p in ps.prompts}
         final: dict[SampleKey, dict[str, Any]] = {}
         scan = scan_journal(run_dir / "records" / f"{name}.jsonl", repair=True)
         if scan.torn_tail_bytes:
@@ -150,6 +150,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
             _plan_conversations(params, name, ps, scan.records, led, tokenizer, profile, template, pending,
                                 done_keys, convs)
             continue
+        plan_keys = {SampleKey(name, p.sample_id) for p in ps.prompts} if scan.records else set()
         for r in scan.records:
             k = SampleKey.of(r)
             if k in plan_keys and (k not in final or final[k]["finish_reason"] == "error"):
@@ -163,7 +164,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
             else:
                 done_keys.add(k)
         led.resumed = led.done
-        todo = [p for p in ps.prompts if SampleKey(name, p.sample_id) not in done_keys]
+        todo = [p for p in ps.prompts if SampleKey(name, p.sample_id) not in done_keys] if final else ps.prompts
         if not template:
             pending.extend((p, None) for p in todo)
             continue
@@ -527,8 +528,31 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
     return _run_async(main())
 
 
+@contextlib.contextmanager
+def _long_lived_heap() -> Iterator[Callable[[], None]]:
+    """Keep the garbage collector off what lives as long as the run; yields `freeze` to call again.
+
+    The tokenizer, the modules and then every prompt and job of the plan live until the run ends,
+    and each full collection walks them all: at 20,000 prompts those pauses took 0.45 s of the plan
+    and 0.5 s at a time during the run (2.6 s of a 44 s bench run), holding every response in flight
+    behind them. Frozen (`gc.freeze`), they are left out of collections; unfrozen at the end, so a
+    notebook's kernel gets them back. Only reference cycles made before a freeze wait until then.
+    """
+    gc.freeze()
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()
+
+
 def run_generate(params: RunParams, *, progress: bool = True, model: Any = None, tokenizer: Any = None) -> GenerateSummary:
     """Generate every pending sample of the run with the backend in params; journal as it goes."""
+    with _long_lived_heap() as freeze:
+        return _generate(params, progress, model, tokenizer, freeze)
+
+
+def _generate(params: RunParams, progress: bool, model: Any, tokenizer: Any,
+              freeze: Callable[[], None]) -> GenerateSummary:
     from .models import tokenizer_for
     from .prompts import check_dataset_files
     from .provenance import write_provenance
@@ -537,6 +561,7 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     check_dataset_files(params)  # every prompt file exists and reads as its format, before any work
     profile = get_profile(params.profile)
     tokenizer = tokenizer or tokenizer_for(params)
+    freeze()
     run_dir = params.run_dir
     (run_dir / "records").mkdir(parents=True, exist_ok=True)
     stop_file = run_dir / "STOP"
@@ -547,6 +572,7 @@ def run_generate(params: RunParams, *, progress: bool = True, model: Any = None,
     backend = params.generate.backend
     # HTTP backends template each prompt as it is dispatched (the first requests go out at once)
     plan = plan_run(params, tokenizer, profile, template=backend == "local")
+    freeze()  # the plan's prompts and jobs live as long as the run
     _report_resume(plan, progress)
     write_ledger(run_dir, plan.ledger, "running",
                  {"source": backend, "torn_tail_bytes_repaired": plan.torn_tail_bytes})
