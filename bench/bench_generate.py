@@ -16,6 +16,8 @@ public HTTPS servers do. The clients run on the other core(s), each in a fresh p
 - `aiohttp`: the same `run_generate` with aiohttp's connector under the engine
   (`engine.TRANSPORT` swapped; aiohttp keeps a per-host deque of idle connections, HTTP/1.1);
 - `httpx_h2`: the same with httpx's own transport speaking HTTP/2 (httpcore + h2);
+- `curl_h2`: the same with curl_cffi's AsyncSession (libcurl, nghttp2 and BoringSSL in C: HTTP/2
+  streams over a few connections, PIPEWAIT so a request waits for a connection with room);
 - `baseline`: `openai.OpenAI(...).chat.completions.create` on a ThreadPoolExecutor of the
   in-flight size (its httpx pool widened to match), one journal line per response.
 
@@ -51,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "lib"))
 
 KEY_ENV = "EAGLE3DATA_BENCH_KEY"
-CLIENTS = ("lean", "lean_h1", "aiohttp", "httpx_h2")
+CLIENTS = ("lean", "lean_h1", "aiohttp", "httpx_h2", "curl_h2")
 
 
 class PeakRSS:
@@ -145,7 +147,39 @@ def _transports():
         async def aclose(self) -> None:
             await self._t.aclose()
 
-    return {"aiohttp": AiohttpTransport, "httpx_h2": HttpxH2Transport}
+    class CurlH2Transport(_Base):
+        """curl_cffi's AsyncSession (libcurl + nghttp2 + BoringSSL): HTTP/2 streams multiplexed over a few
+        connections (PIPEWAIT: a request waits for a connection that may take it rather than opening one)."""
+
+        def __init__(self):
+            self._s = None
+
+        def _get(self):
+            from curl_cffi import CurlHttpVersion, CurlOpt
+            from curl_cffi.requests import AsyncSession
+
+            if self._s is None:
+                self._s = AsyncSession(max_clients=100000, http_version=CurlHttpVersion.V2TLS,
+                                       verify=os.environ.get("SSL_CERT_FILE", True),
+                                       curl_options={CurlOpt.PIPEWAIT: 1})
+            return self._s
+
+        async def send(self, url, method, headers, body):
+            from curl_cffi.requests.exceptions import RequestException
+
+            hdrs = {k.decode(): v.decode() for k, v in headers if k not in (b"host", b"content-length")}
+            try:
+                r = await self._get().request(method.decode(), str(url), data=body, headers=hdrs,
+                                              default_headers=False, timeout=None)
+            except RequestException as e:
+                raise httpx.RemoteProtocolError(f"{type(e).__name__}: {e}") from None
+            return r.status_code, [(k.lower().encode(), v.encode()) for k, v in r.headers.items()], r.content
+
+        async def aclose(self) -> None:
+            if self._s is not None:
+                await self._s.close()
+
+    return {"aiohttp": AiohttpTransport, "httpx_h2": HttpxH2Transport, "curl_h2": CurlH2Transport}
 
 
 # -- one measured run (in its own process) ----------------------------------------------------------
@@ -358,7 +392,7 @@ def main() -> None:
     runs: dict[str, dict] = {}
     for scheme in schemes:
         for client in clients:
-            if client == "httpx_h2" and scheme != "tls":
+            if client in ("httpx_h2", "curl_h2") and scheme != "tls":
                 continue  # HTTP/2 is negotiated through TLS (ALPN), as at OpenRouter
             m = args.baseline_waves * args.in_flight if client == "baseline" else n
             res = measure(client, scheme, args, m, cert, server_core, client_cores, env)
@@ -401,7 +435,7 @@ def main() -> None:
             c: {"throughput_ratio": lean["responses_per_s"] / r["responses_per_s"],
                 "cpu_per_1000_ratio": lean["cpu_s_per_1000"] / r["cpu_s_per_1000"],
                 "peak_rss_ratio": lean["peak_rss_mb"] / r["peak_rss_mb"]}
-            for c in ("lean_h1", "aiohttp", "httpx_h2") if (r := runs.get(f"{c}/tls")) and not r.get("failed")}
+            for c in ("lean_h1", "aiohttp", "httpx_h2", "curl_h2") if (r := runs.get(f"{c}/tls")) and not r.get("failed")}
     result["chosen_client"] = ("lean: backends/transport.py (HTTP/2 over TLS where the server offers it, h2 library; "
                                "HTTP/1.1 keep-alive on h11 otherwise)")
     goals = {}
