@@ -11,7 +11,7 @@ public HTTPS servers do. The clients run on the other core(s), each in a fresh p
 - `lean`: `run_generate` (backend `openai`) on the engine's own transport
   (`backends/transport.py`): over TLS HTTP/2 (`h2`), up to 100 streams per connection, so
   2,000 in flight open 20 connections; over plain HTTP, HTTP/1.1 keep-alive on h11;
-- `lean_h1`: the same transport with HTTP/2 off (HTTP/1.1 keep-alive on h11, a free list of
+- `lean_h1`: the same transport with HTTP/2 off (`generate.http2: false`; HTTP/1.1 keep-alive on h11, a free list of
   idle connections: 2,000 connections, 2,000 TLS handshakes);
 - `aiohttp`: the same `run_generate` with aiohttp's connector under the engine
   (`engine.TRANSPORT` swapped; aiohttp keeps a per-host deque of idle connections, HTTP/1.1);
@@ -206,16 +206,12 @@ def run_ours(client: str, base_url: str, prompts: Path, out: Path, n: int, in_fl
     from eagle3data.models import tokenizer_for
     from eagle3data.params import load_params
 
-    if client == "lean_h1":
-        from eagle3data.backends.transport import LeanTransport
-
-        engine.TRANSPORT = lambda: LeanTransport(http2=False)
-    elif client != "lean":
+    if client not in ("lean", "lean_h1"):
         engine.TRANSPORT = _transports()[client]
     params = load_params(REPO / "params" / "ci.yaml", {
         "output_root": str(out), "run_name": client, "datasets": [{"name": "bench", "path": str(prompts), "limit": n}],
         "generate.backend": "openai", "generate.concurrency": in_flight, "generate.timeout_s": latency * 10 + 30,
-        "generate.sampling.max_new_tokens": 2048,
+        "generate.sampling.max_new_tokens": 2048, "generate.http2": client != "lean_h1",
         "generate.openai": {"base_url": base_url, "model": "moonshotai/kimi-k2.5", "api_key_env": KEY_ENV,
                             "check_credit": False,
                             "provider": {"quantizations": ["int4"], "ignore": ["fp4-provider"]},

@@ -336,10 +336,12 @@ def test_http2_off_speaks_http1_to_a_server_that_offers_both(cert):
         run(main())
 
 
-def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_path, monkeypatch):
+@pytest.mark.parametrize("http2", [True, False])
+def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_path, monkeypatch, http2):
     """The documented path end to end: 01's engine against an HTTPS OpenRouter-shaped server that offers h2
     and http/1.1 (the certificate trusted through SSL_CERT_FILE, as httpx reads it): every prompt journaled
-    once, generation requests multiplexed over a few HTTP/2 connections, none over HTTP/1.1 but preflight's."""
+    once, generation requests multiplexed over a few HTTP/2 connections, none over HTTP/1.1 but preflight's.
+    With `generate.http2: false` the same run speaks HTTP/1.1 only (a connection per request in flight)."""
     import orjson
 
     from eagle3data.generate import run_generate
@@ -357,7 +359,7 @@ def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_
     with Loopback("openai", latency=0.2, ssl_context=server_ctx, http2=True, h2_max_streams=8) as srv:
         params = load_params(Path(__file__).resolve().parents[1] / "params" / "ci.yaml", {
             "output_root": str(tmp_path / "out"), "run_name": "run", "datasets": [{"name": "d", "path": str(prompts)}],
-            "generate.backend": "openai", "generate.concurrency": 40, "generate.timeout_s": 10,
+            "generate.backend": "openai", "generate.concurrency": 40, "generate.timeout_s": 10, "generate.http2": http2,
             "generate.openai": {"base_url": srv.base_url, "model": "moonshotai/kimi-k2.5",
                                 "api_key_env": "EAGLE3DATA_TEST_KEY", "reasoning": {"enabled": True}}})
         summary = run_generate(params, progress=False)
@@ -366,4 +368,7 @@ def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_
     assert all(r["finish_reason"] == "stop" and r["prompt_ids"] for r in recs)
     generation = [r for r in srv.requests if r["path"] == "/chat/completions"]
     assert len(generation) == 40
+    if not http2:
+        assert srv.connections["h2"] == 0 and srv.connections["http/1.1"] >= 20
+        return
     assert 5 <= srv.connections["h2"] <= 8  # ceil(40 / 8) streams-full connections, not one per request

@@ -175,6 +175,9 @@ class GenerateParams(Strict):
     retry_backoff_max_s: float = Field(60.0, gt=0, description="Longest delay between two retries.")
     max_rate_limit_retries: int = Field(50, ge=0, description="Retries after HTTP 429 (each waits Retry-After).")
     journal_fsync: bool = Field(False, description="fsync every journal line (survives power loss; slower).")
+    http2: bool = Field(True, description="HTTP backends over https: HTTP/2 where the server offers it (ALPN), many "
+                        "requests per connection; false: HTTP/1.1 keep-alive, one connection per request in flight "
+                        "(for a proxy that mishandles HTTP/2).")
     ledger_interval_s: float = Field(1.0, gt=0, description="How often ledger.json and the progress line refresh.")
     turns: Literal["last", "all"] = Field(
         "last", description="`last`: regenerate the last assistant turn only (the history is the dataset's); "

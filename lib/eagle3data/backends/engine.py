@@ -155,6 +155,7 @@ class EngineSettings:
     ledger_interval_s: float = 1.0
     credit_poll_s: float = 30.0
     journal_fsync: bool = False
+    http2: bool = True
     seed: int = 0
 
 
@@ -552,7 +553,7 @@ class Engine:
         t0 = time.monotonic()
         cpu0 = time.process_time()
         async with contextlib.AsyncExitStack() as stack:
-            self._transport = TRANSPORT()
+            self._transport = TRANSPORT() if self.s.http2 else LeanTransport(http2=False)
             client = await stack.enter_async_context(httpx.AsyncClient(
                 base_url=self.base_url, timeout=timeout, headers=self.backend.headers(), transport=self._transport))
             proto = client.build_request("POST", self.backend.path, content=b"")
