@@ -511,7 +511,7 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
         max_rate_limit_retries=g.max_rate_limit_retries, retry_backoff_s=g.retry_backoff_s,
         retry_backoff_max_s=g.retry_backoff_max_s, cost_cap_usd=g.cost_cap_usd, stop_grace_s=g.stop_grace_s,
         budget_counts=g.budget_counts, ledger_interval_s=g.ledger_interval_s, credit_poll_s=credit_poll,
-        journal_fsync=g.journal_fsync, seed=g.sampling.seed)
+        journal_fsync=g.journal_fsync, http2=g.http2, seed=g.sampling.seed)
     run_dir = params.run_dir
     extra = {"torn_tail_bytes_repaired": plan.torn_tail_bytes, "backend": g.backend}
     engine = Engine(backend, _jobs(params, plan), base_url=base_url, settings=settings, ledger=plan.ledger,
@@ -537,11 +537,16 @@ def _long_lived_heap() -> Iterator[Callable[[], None]]:
     and 0.5 s at a time during the run (2.6 s of a 44 s bench run), holding every response in flight
     behind them. Frozen (`gc.freeze`), they are left out of collections; unfrozen at the end, so a
     notebook's kernel gets them back. Only reference cycles made before a freeze wait until then.
+    The youngest generation is collected every 20,000 allocations instead of 700 while the run lasts
+    (the state of 2,000 requests in flight was walked ~1,800 times in a 44 s bench run: 1.2 s).
     """
+    threshold = gc.get_threshold()
     gc.freeze()
+    gc.set_threshold(20_000, 20, 10)
     try:
         yield gc.freeze
     finally:
+        gc.set_threshold(*threshold)
         gc.unfreeze()
 
 
