@@ -372,3 +372,43 @@ def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_
         assert srv.connections["h2"] == 0 and srv.connections["http/1.1"] >= 20
         return
     assert 5 <= srv.connections["h2"] <= 8  # ceil(40 / 8) streams-full connections, not one per request
+
+
+def test_a_server_that_never_completes_the_handshake_times_out_the_warm_up_and_the_requests(tmp_path, monkeypatch):
+    """An https server that accepts TCP and never answers the TLS handshake: the engine's warm-up gives up
+    after the request timeout, and every request becomes an error record saying it timed out (journaled,
+    the run finished) instead of the run hanging before its first request."""
+    import orjson
+
+    from eagle3data.generate import run_generate
+    from eagle3data.params import load_params
+    from eagle3data.records import scan_journal
+
+    from pathlib import Path
+
+    held: list = []
+
+    async def main():
+        srv = await asyncio.start_server(lambda r, w: held.append(w), "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_bytes(b"".join(orjson.dumps({"sample_id": i, "messages": [
+            {"role": "user", "content": f"question {i}"}]}) + b"\n" for i in range(3)))
+        monkeypatch.setenv("EAGLE3DATA_TEST_KEY", "sk-or-v1-loopback-not-a-real-key")
+        params = load_params(Path(__file__).resolve().parents[1] / "params" / "ci.yaml", {
+            "output_root": str(tmp_path / "out"), "run_name": "run", "datasets": [{"name": "d", "path": str(prompts)}],
+            "generate.backend": "openai", "generate.concurrency": 3, "generate.timeout_s": 0.5,
+            "generate.max_retries": 0,
+            "generate.openai": {"base_url": f"https://127.0.0.1:{port}/api/v1", "model": "moonshotai/kimi-k2.5",
+                                "api_key_env": "EAGLE3DATA_TEST_KEY", "check_credit": False}})
+        try:
+            return params, await asyncio.to_thread(run_generate, params, progress=False)
+        finally:
+            srv.close()
+            for w in held:
+                w.close()
+
+    params, summary = run(main())
+    recs = scan_journal(params.run_dir / "records" / "d.jsonl").records
+    assert summary.status == "finished" and len(recs) == 3 and len(held) >= 1
+    assert all(r["finish_reason"] == "error" and "timeout after 0.5 s" in r["error"] for r in recs)

@@ -564,7 +564,10 @@ class Engine:
             info = await self.backend.preflight(client)
             warm = getattr(self._transport, "warm", None)
             if warm is not None and self.jobs:
-                await warm(self._url, self.s.concurrency)
+                # a server that accepts and never completes a handshake is the requests' to time out and report
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(self.s.timeout_s, 30.0)):
+                        await warm(self._url, self.s.concurrency)
             self.credit_left = info.get("credit_left_usd")
             self._credit_spent_at_poll = self._spent()
             ticker = asyncio.create_task(self._tick(client))
