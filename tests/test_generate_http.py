@@ -347,15 +347,18 @@ def test_stop_file_stops_gracefully(tmp_path, smollm2_tokenizer):
 
 
 def test_runs_inside_a_running_event_loop(tmp_path, smollm2_tokenizer):
-    """A notebook cell runs inside the kernel's loop: run_generate must still work (nest_asyncio)."""
+    """A notebook cell runs inside the kernel's loop: run_generate must still work (nest_asyncio), and leave
+    no task of its own pending on that loop (the kernel's loop outlives the run: its ticker was left behind)."""
     with LoopbackServer("openai") as srv:
         params = make_params(tmp_path, srv, n=3)
 
         async def cell():
-            return run_generate(params, progress=False, tokenizer=smollm2_tokenizer)
+            s = run_generate(params, progress=False, tokenizer=smollm2_tokenizer)
+            return s, [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
 
-        s = asyncio.run(cell())
+        s, left = asyncio.run(cell())
     assert s.status == "finished" and s.new_records == 3
+    assert left == []
 
 
 def _spawn(params_file: Path, overrides: dict) -> subprocess.Popen:

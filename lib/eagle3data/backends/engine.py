@@ -584,8 +584,9 @@ class Engine:
                 ticker.cancel()
                 for t in list(self._tasks):
                     t.cancel()
-                if self._tasks:
-                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                # every task of the run ends here: under a loop that outlives the run (a notebook's, nest_asyncio)
+                # none is left pending behind it
+                await asyncio.gather(ticker, *list(self._tasks), return_exceptions=True)
                 self._skip_rest(self._next_turns)  # next turns of replies that came in after the stop
                 self._next_turns.clear()
                 for j in self._journals.values():

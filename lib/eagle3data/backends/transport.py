@@ -256,9 +256,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
                               extensions={"http_version": b"HTTP/1.1"})
 
     async def aclose(self) -> None:
-        for ops in self._opening.values():
-            for op in ops:
-                op.task.cancel()
+        opening = [op.task for ops in self._opening.values() for op in ops]
+        for t in opening:
+            t.cancel()
+        if opening:  # connections still being opened end here, not pending on a loop that outlives the client
+            await asyncio.gather(*opening, return_exceptions=True)
         for h2s in self._h2.values():
             for h in h2s:
                 h.close()
