@@ -330,10 +330,8 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
     profile = get_profile(params.profile)
     tokenizer = tokenizer or tokenizer_for(params)
     table = load_run(run_dir, source_fields=True)
-    rp = params.reconstruct
     result = audit_table(table, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip, progress=progress,
-                         calibration={"min_records": rp.calibration_min_records,
-                                      "min_share": rp.calibration_min_share, "max_offset": rp.max_count_offset})
+                         calibration=params.reconstruct.count_calibration)
     result.ledger = read_ledger(run_dir)
     if not (run_dir / "reconstruct").is_dir() and (table.meta["source"] == "api").any():
         result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")

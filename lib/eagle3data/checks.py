@@ -479,11 +479,6 @@ def _reply_view(msg: dict[str, Any]) -> tuple[Any, ...]:
     return msg.get("content") or "", msg.get("reasoning_content"), calls
 
 
-PROMPT_CALIBRATION = {"min_records": 10, "min_share": 0.6, "max_offset": 3}
-"""Defaults of the billed prompt-count calibration: reconstruct params' calibration_min_records,
-calibration_min_share and max_count_offset (run_audit passes the run's own)."""
-
-
 def billed_prompt_checks(table: IdTable, calibration: dict[str, Any] | None = None
                          ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
     """`prompt.billed_count` per record, and the calibration table (one row per (provider, dataset)).
@@ -496,9 +491,10 @@ def billed_prompt_checks(table: IdTable, calibration: dict[str, Any] | None = No
     we kept): its prompt ids are not what the model saw. n/a for engine records and records without a
     billed count.
     """
+    from .params import ReconstructParams
     from .stats import calibrated_offset
 
-    cal = dict(PROMPT_CALIBRATION, **(calibration or {}))
+    cal = dict(ReconstructParams().count_calibration, **(calibration or {}))  # run_audit passes the run's own
     n = len(table)
     st = np.full(n, NA, np.int8)
     m = table.meta

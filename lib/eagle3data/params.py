@@ -222,6 +222,13 @@ class ReconstructParams(Strict):
         3, ge=0, description="Largest |offset| accepted (end-of-turn, reasoning close, guard: a few tokens at most).",
     )
 
+    @property
+    def count_calibration(self) -> dict[str, Any]:
+        """The calibration rule of billed token counts (`stats.calibrated_offset`'s keywords): 02's completion
+        counts and 03's prompt counts are learned with the same one."""
+        return {"min_records": self.calibration_min_records, "min_share": self.calibration_min_share,
+                "max_offset": self.max_count_offset}
+
 
 class AuditParams(Strict):
     inspect_dataset: str | None = Field("b1_glaive", description="Dataset of the record the inspector opens.")

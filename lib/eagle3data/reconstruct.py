@@ -98,9 +98,7 @@ def measure_drift(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Pr
     for r, rb in zip(recs, rebuilt):
         groups.setdefault((str(r.get("provider") or r.get("source") or "unknown"), dataset,
                            _end_of(r.get("finish_reason"))), []).append(rb)
-    kw = ({} if rp is None else {"min_records": rp.calibration_min_records, "min_share": rp.calibration_min_share,
-                                 "max_offset": rp.max_count_offset})
-    calibrate(groups, **kw)
+    calibrate(groups, **({} if rp is None else rp.count_calibration))
     truth_texts = _backend(tokenizer).decode_batch([list(r["output_ids"]) for r in recs], skip_special_tokens=False)
     exact = text_equal = 0
     divs: list[int] = []
@@ -213,8 +211,7 @@ def reconstruct_records(recs: list[dict[str, Any]], tokenizer: Any, profile: Pro
     for r, _, rb in done:
         groups.setdefault((str(r.get("provider") or "unknown"), str(r["dataset"]), _end_of(r["finish_reason"])),
                           []).append(rb)
-    table = calibrate(groups, min_records=rp.calibration_min_records, min_share=rp.calibration_min_share,
-                      max_offset=rp.max_count_offset)
+    table = calibrate(groups, **rp.count_calibration)
     if calibration is not None:
         calibration += table
     out: list[dict[str, Any]] = []
