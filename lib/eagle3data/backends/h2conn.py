@@ -168,7 +168,8 @@ class H2Conn:
     # -- requests -------------------------------------------------------------------------
     async def request(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """One stream: (status, lower-cased headers, body). `Refused` when the server never took it."""
+        """One stream: (status, lower-cased headers, body); `headers` named in lower case, as HTTP/2 requires.
+        `Refused` when the server never took it."""
         if self.error is not None:
             raise Refused()
         h = self.h2
@@ -176,7 +177,7 @@ class H2Conn:
         st = self.streams[sid] = _Stream(self._loop)
         try:
             hdrs = [(b":method", method), (b":scheme", b"https"), (b":authority", self.authority),
-                    (b":path", target)] + [(k, v) for k, v in ((k.lower(), v) for k, v in headers) if k not in _HOP]
+                    (b":path", target)] + [(k, v) for k, v in headers if k not in _HOP]
             h.send_headers(sid, hdrs, end_stream=not body)
             view = memoryview(body)
             while view:

@@ -210,7 +210,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         The engine's hot path: no `httpx.Request`/`Response` objects, no URL merging, cookie
         jar or auth/redirect flow (about half of the CPU of a request through
         `AsyncClient.post` at 2,000 in flight). `headers` must be complete (host,
-        content-length, ...); bodies are returned as sent (ask for `accept-encoding: identity`).
+        content-length, ...) with lower-cased names (HTTP/2 refuses others); bodies are returned as sent (ask for `accept-encoding: identity`).
         Errors are httpx's (`ConnectError`, `RemoteProtocolError`), as through the client.
         """
         key = (url.raw_scheme, url.raw_host, url.port or 0)
@@ -250,8 +250,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
-        status, headers, content = await self.send(request.url, request.method.encode(), list(request.headers.raw),
-                                                   body)
+        status, headers, content = await self.send(request.url, request.method.encode(),
+                                                   [(k.lower(), v) for k, v in request.headers.raw], body)
         return httpx.Response(status, headers=headers, content=content, request=request,
                               extensions={"http_version": b"HTTP/1.1"})
 
