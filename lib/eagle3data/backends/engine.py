@@ -564,9 +564,10 @@ class Engine:
             info = await self.backend.preflight(client)
             warm = getattr(self._transport, "warm", None)
             if warm is not None and self.jobs:
-                # a server that accepts and never completes a handshake is the requests' to time out and report
+                # the connect timeout: a server that accepts and never completes a handshake is the requests' to
+                # time out and report
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(self.s.timeout_s, 30.0)):
+                    async with asyncio.timeout(timeout.connect):
                         await warm(self._url, self.s.concurrency)
             self.credit_left = info.get("credit_left_usd")
             self._credit_spent_at_poll = self._spent()

@@ -55,6 +55,11 @@ late: 2,000 TLS handshakes begun at once answered their first request after ~10 
 _Key = tuple[bytes, bytes, int]
 
 
+def _origin(url: httpx.URL) -> _Key:
+    """The pool key of a URL: scheme, host, port."""
+    return (url.raw_scheme, url.raw_host, url.port or 0)
+
+
 class _Opening:
     """An HTTP/2 connection being opened for an origin, and how many requests are waiting for it: up to
     the streams the origin's server last allowed, or all of them for its first connection (its SETTINGS
@@ -118,6 +123,10 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._h1_only.add(key)
             self._idle[key].append(_Conn(reader, writer))
 
+    def _may_h2(self, key: _Key, url: httpx.URL) -> bool:
+        """HTTP/2 is tried: on, over TLS (ALPN), and the origin's server has not chosen HTTP/1.1."""
+        return self._http2 and url.scheme == "https" and key not in self._h1_only
+
     def _h2_with_room(self, key: _Key) -> H2Conn | None:
         conns = self._h2.get(key)
         if not conns:
@@ -164,11 +173,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
         (the server chose it, or HTTP/2 is off) are left to open as requests come: one connection per
         request either way. Returns the HTTP/2 connections open; connection errors are left to the
         requests, which retry and report them."""
-        if not (self._http2 and url.scheme == "https"):
+        key = _origin(url)
+        if not self._may_h2(key, url):
             return 0
-        key = (url.raw_scheme, url.raw_host, url.port or 0)
         try:
-            if not self._h2.get(key) and key not in self._h1_only:
+            if not self._h2.get(key):
                 await self._open_any(key, url)
             if key in self._h1_only:
                 return 0
@@ -213,8 +222,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         content-length, ...) with lower-cased names (HTTP/2 refuses others); bodies are returned as sent (ask for `accept-encoding: identity`).
         Errors are httpx's (`ConnectError`, `RemoteProtocolError`), as through the client.
         """
-        key = (url.raw_scheme, url.raw_host, url.port or 0)
-        if self._http2 and url.scheme == "https" and key not in self._h1_only:
+        key = _origin(url)
+        if self._may_h2(key, url):
             result = await self._send_h2(key, url, method, headers, body)
             if result is not None:
                 return result
