@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "lib"))
 
 KEY_ENV = "EAGLE3DATA_BENCH_KEY"
 CLIENTS = ("lean", "lean_h1", "aiohttp", "httpx_h2", "curl_h2")
+TLS_ONLY = ("httpx_h2", "curl_h2")  # HTTP/2 clients: HTTP/2 is negotiated through TLS (ALPN), as at OpenRouter
 
 
 class PeakRSS:
@@ -87,6 +88,11 @@ def _transports():
     import httpx
 
     class _Base(httpx.AsyncBaseTransport):
+        @staticmethod
+        def _str_headers(headers):
+            """The engine's headers as a str dict, less those the library sets itself."""
+            return {k.decode(): v.decode() for k, v in headers if k not in (b"host", b"content-length")}
+
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             body = await request.aread()
             status, headers, content = await self.send(request.url, request.method.encode(),
@@ -116,7 +122,7 @@ def _transports():
             u = self._urls.get(url)
             if u is None:
                 u = self._urls[url] = yarl.URL(str(url), encoded=True)
-            hdrs = {k.decode(): v.decode() for k, v in headers if k not in (b"host", b"content-length")}
+            hdrs = self._str_headers(headers)
             try:
                 async with self._get().request(method.decode(), u, data=body, headers=hdrs) as r:
                     data = await r.read()
@@ -167,7 +173,7 @@ def _transports():
         async def send(self, url, method, headers, body):
             from curl_cffi.requests.exceptions import RequestException
 
-            hdrs = {k.decode(): v.decode() for k, v in headers if k not in (b"host", b"content-length")}
+            hdrs = self._str_headers(headers)
             try:
                 r = await self._get().request(method.decode(), str(url), data=body, headers=hdrs,
                                               default_headers=False, timeout=None)
@@ -391,8 +397,8 @@ def main() -> None:
     runs: dict[str, dict] = {}
     for scheme in schemes:
         for client in clients:
-            if client in ("httpx_h2", "curl_h2") and scheme != "tls":
-                continue  # HTTP/2 is negotiated through TLS (ALPN), as at OpenRouter
+            if client in TLS_ONLY and scheme != "tls":
+                continue
             m = args.baseline_waves * args.in_flight if client == "baseline" else n
             res = measure(client, scheme, args, m, cert, server_core, client_cores, env)
             runs[f"{client}/{scheme}"] = res
@@ -434,7 +440,7 @@ def main() -> None:
             c: {"throughput_ratio": lean["responses_per_s"] / r["responses_per_s"],
                 "cpu_per_1000_ratio": lean["cpu_s_per_1000"] / r["cpu_s_per_1000"],
                 "peak_rss_ratio": lean["peak_rss_mb"] / r["peak_rss_mb"]}
-            for c in ("lean_h1", "aiohttp", "httpx_h2", "curl_h2") if (r := runs.get(f"{c}/tls")) and not r.get("failed")}
+            for c in CLIENTS if c != "lean" and (r := runs.get(f"{c}/tls")) and not r.get("failed")}
     result["chosen_client"] = ("lean: backends/transport.py (HTTP/2 over TLS where the server offers it, h2 library; "
                                "HTTP/1.1 keep-alive on h11 otherwise)")
     goals = {}
