@@ -278,10 +278,10 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
                      "(a retried error): shown in `superseded`, not audited, not counted")
     for row in prompt_calibration:
         if row["prompt_offset"] or row["off_offset"]:
+            cal = "calibrated" if row["calibrated"] else "not calibrated"
             notes.append(f"billed prompt tokens, provider {row['provider']}, {row['dataset']}: offset "
-                         f"{row['prompt_offset']:+d} from the local template ({'calibrated' if row['calibrated'] else 'not calibrated'}"
-                         f", mode {row['mode']:+d} in {row['mode_share']:.0%}), {row['off_offset']}/{row['records']} "
-                         "record(s) off it")
+                         f"{row['prompt_offset']:+d} from the local template ({cal}, mode {row['mode']:+d} in "
+                         f"{row['mode_share']:.0%}), {row['off_offset']}/{row['records']} record(s) off it")
     return AuditResult(table, profile, status, pos, tokenizer is not None, time.perf_counter() - t0, notes=notes,
                        superseded=superseded, prompt_calibration=prompt_calibration)
 

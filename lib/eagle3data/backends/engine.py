@@ -459,7 +459,7 @@ class Engine:
                     job = jobs[i]
                     if job.prompt_ids is None and job.rejected is None and self.prepare is not None:
                         self._prepare_from(i)
-                    jobs[i] = None  # type: ignore[call-overload]  # its task holds it until it is journaled, then it goes
+                    jobs[i] = None  # type: ignore[call-overload]  # let go: its task holds it until journaled
                     i += 1
                 if not self._ready(job):
                     continue

@@ -219,7 +219,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         The engine's hot path: no `httpx.Request`/`Response` objects, no URL merging, cookie
         jar or auth/redirect flow (about half of the CPU of a request through
         `AsyncClient.post` at 2,000 in flight). `headers` must be complete (host,
-        content-length, ...) with lower-cased names (HTTP/2 refuses others); bodies are returned as sent (ask for `accept-encoding: identity`).
+        content-length, ...) with lower-cased names (HTTP/2 refuses others); bodies are returned
+        as sent (ask for `accept-encoding: identity`).
         Errors are httpx's (`ConnectError`, `RemoteProtocolError`), as through the client.
         """
         key = _origin(url)
