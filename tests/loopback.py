@@ -16,7 +16,8 @@ prompt sent), `no_token_ids` (a server without return_token_ids: choices carry t
 OpenRouter only: a request with `logprobs: true` gets `choices[0].logprobs` in the OpenAI shape
 (`content`: one `{token, logprob, bytes, top_logprobs}` per token, `refusal`: null; by default
 one entry per word of the content); `server.chat_script` (request -> dict) can set the answer's
-`reasoning`, `content`, `finish_reason`, `completion_tokens`, `reasoning_tokens` and `logprobs`.
+`reasoning`, `content`, `finish_reason`, `prompt_tokens` (billed), `completion_tokens`,
+`reasoning_tokens` and `logprobs`.
 
 TLS: `LoopbackServer(..., ssl_context=ctx)` (or `--tls-cert/--tls-key`); `http2=True` (`--http2`)
 offers HTTP/2 (through the `h2` library) beside HTTP/1.1 by ALPN, as public HTTPS servers do: each
@@ -494,7 +495,7 @@ class LoopbackServer:
         pt, rt, ct = prompt_chars // 4 + 8, len(reasoning or "") // 4, (len(reasoning or "") + len(content or "")) // 4
         cost = round((pt + ct) * self.price, 8)
         self.spent += cost
-        pt, ct = pt, scripted.get("completion_tokens", ct)
+        pt, ct = scripted.get("prompt_tokens", pt), scripted.get("completion_tokens", ct)
         rt = scripted.get("reasoning_tokens", rt)
         choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish, "native_finish_reason": finish}
         if (req or {}).get("logprobs"):  # OpenAI shape: per content token {token, logprob, bytes, top_logprobs}

@@ -8,6 +8,7 @@ from pathlib import Path
 import orjson
 
 from eagle3data.profiles import SMOLLM2, Token, ToolCallTokens
+from eagle3data.reader import SampleKey
 
 # A reasoning stand-in on the SmolLM2 vocabulary (ids of its unused added tokens), so the
 # reasoning, guard and Kimi-style tool-call paths run on a second real vocabulary.
@@ -45,3 +46,8 @@ def assert_ledger_adds_up(run_dir: Path) -> dict:
         assert d["done"] + d["errors"] + d["skipped"] + d["cancelled"] == d["planned"], (name, d)
         assert len(d["skipped_ids"]) == d["skipped"] and len(d["cancelled_ids"]) == d["cancelled"]
     return led
+
+
+def key(dataset: str, sample_id: object, turn: int | None = None) -> SampleKey:
+    """The key of the row (dataset, sample_id, turn): what `SampleKey.of` makes of a record with those fields."""
+    return SampleKey.of({"dataset": dataset, "sample_id": sample_id, "turn": turn})

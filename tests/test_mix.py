@@ -83,7 +83,7 @@ def test_audit_verdicts_filter_unless_include_failed(run):
     mix = build_mix(run)
     assert _keys(mix) == {"b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}
     failed = [d for d in mix.dropped if d["reason"] == "audit_failed"]
-    assert failed == [{"dataset": "b1_glaive", "sample_id": "2", "reason": "audit_failed",
+    assert failed == [{"key": "b1_glaive/2", "dataset": "b1_glaive", "sample_id": "2", "turn": None, "reason": "audit_failed",
                        "checks": ["ends_with_end_of_turn"]}]
     assert mix.manifest["audit_applied"] is True
 
@@ -301,7 +301,8 @@ def test_train_turns_last_keeps_each_conversations_last_usable_turn(turns_run):
     # 11: its final turn 2 (the retried error superseded); 12: turn 1 failed the audit, so turn 0;
     # x/1: turn 2 is an error, so turn 1; 13 has no turns and stays
     assert _turn_keys(mix) == ["b6_ultrachat/11#2", "b6_ultrachat/12#0", "b6_ultrachat/13", "b7_sharegpt/x/1#1"]
-    reasons = sorted((d["sample_id"], d["reason"], d.get("last_turn")) for d in mix.dropped)
+    reasons = sorted((d["key"].partition("/")[2], d["reason"], d.get("last_turn")) for d in mix.dropped)
+    assert all(d["key"] == f'{d["dataset"]}/{d["sample_id"]}#{d["turn"]}' for d in mix.dropped)  # the row, turn apart
     assert reasons == [("11#0", "earlier_turn", 2), ("11#1", "earlier_turn", 2), ("11#2", "superseded", None),
                        ("12#1", "audit_failed", None), ("x/1#0", "earlier_turn", 1), ("x/1#2", "error", None)]
     m = mix.manifest
@@ -323,7 +324,7 @@ def test_export_follows_the_last_turn_mix(turns_run):
     mix = build_mix(p)  # written: 05 reads 04's mix
     read = select_samples(p)
     assert [s.key for s in read.samples] == [s.key for s in mix.samples] == [s.key for s in built.samples]
-    assert sorted((d["sample_id"], d["reason"]) for d in read.skipped if d["reason"] == "earlier_turn") == [
+    assert sorted((d["key"].partition("/")[2], d["reason"]) for d in read.skipped if d["reason"] == "earlier_turn") == [
         ("11#0", "earlier_turn"), ("11#1", "earlier_turn"), ("12#0", "earlier_turn"), ("x/1#0", "earlier_turn")]
     assert all(s.record["turn"] == 2 for s in read.samples if s.key.startswith("b6_ultrachat/11#"))
 

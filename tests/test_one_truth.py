@@ -25,6 +25,7 @@ from eagle3data.prompts import Prompt, template_prompt
 from eagle3data.reader import SampleKey, read_rebuilt, read_verdicts
 from eagle3data.reconstruct import run_reconstruct
 from eagle3data.spans import output_texts
+from runfiles import key as skey
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
@@ -99,7 +100,7 @@ def _run(tmp_path: Path, journal: dict, tokenizer, model, **over):
 def test_a_retried_error_becomes_training_data(journal, smollm2_tokenizer, model, tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p, audit, ext, exp = _run(tmp_path, journal, smollm2_tokenizer, model)
-    key = SampleKey("b1_glaive", "7")
+    key = skey("b1_glaive", "7")
     verdicts = read_verdicts(p.run_dir)
     assert verdicts[key]["failed"] == []  # audited as passing, not as a duplicate
     sup = audit.superseded
@@ -144,8 +145,8 @@ def test_the_same_record_has_one_key_ids_and_mask_in_every_stage(journal, smollm
     rebuilt = read_rebuilt(p.run_dir)
     reader = HiddenReader(ext.hidden_dir)
     exported = {s.key: s for s in exp.selection.samples}
-    for key in (SampleKey("b1_glaive", "7"), SampleKey("b5_openthoughts", "10")):
-        rows = [i for i in range(len(audit.meta)) if SampleKey(audit.meta["dataset"].iloc[i],
+    for key in (skey("b1_glaive", "7"), skey("b5_openthoughts", "10")):
+        rows = [i for i in range(len(audit.meta)) if skey(audit.meta["dataset"].iloc[i],
                                                                audit.meta["sample_id"].iloc[i]) == key]
         assert len(rows) == 1  # 03: one row per sample
         i = rows[0]
@@ -158,5 +159,5 @@ def test_the_same_record_has_one_key_ids_and_mask_in_every_stage(journal, smollm
         assert ids03 == ids04 == ids05 and mask03 == mask04 == mask05
         if key in rebuilt:  # 02's line for the API record
             assert rebuilt[key]["input_ids"] == ids03 and rebuilt[key]["loss_mask"] == mask03
-    assert SampleKey("b5_openthoughts", "10") in rebuilt
+    assert skey("b5_openthoughts", "10") in rebuilt
     shutil.rmtree(ext.hidden_dir)

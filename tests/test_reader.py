@@ -12,6 +12,7 @@ from eagle3data.mix import MixError, build_mix
 from eagle3data.params import load_params
 from eagle3data.reader import (RunFileError, SampleKey, read_jsonl, read_rebuilt, read_run, read_verdicts, resolve,
                                supersede_rule)
+from runfiles import key as skey
 from runfiles import make_record as _rec
 from runfiles import write_jsonl as _write
 
@@ -44,10 +45,10 @@ def test_the_record_of_a_key_follows_the_supersede_rule(params):
     view = read_run(params.run_dir)
     by = view.by_key()
     assert len(by) == 5
-    assert by[SampleKey("b1_glaive", "1")]["output_ids"] == [10, 11, 2]  # the retry replaced the error
-    assert by[SampleKey("b1_glaive", "2")]["output_ids"] == [13, 14, 2]  # latest of two completed lines
-    assert by[SampleKey("b1_glaive", "3")]["output_ids"] == [20, 2]  # an error after a response never replaces it
-    assert view.duplicates() == {SampleKey("b1_glaive", "2")}  # two completed lines: a real duplicate
+    assert by[skey("b1_glaive", "1")]["output_ids"] == [10, 11, 2]  # the retry replaced the error
+    assert by[skey("b1_glaive", "2")]["output_ids"] == [13, 14, 2]  # latest of two completed lines
+    assert by[skey("b1_glaive", "3")]["output_ids"] == [20, 2]  # an error after a response never replaces it
+    assert view.duplicates() == {skey("b1_glaive", "2")}  # two completed lines: a real duplicate
     superseded = view.datasets["b1_glaive"].superseded()
     assert [(r["sample_id"], r["finish_reason"]) for r in superseded] == [(1, "error"), (2, "stop"), (3, "error")]
     assert [r["dataset"] for r in read_run(params.run_dir, ["b5_openthoughts"]).records()] == ["b5_openthoughts"]
@@ -64,15 +65,34 @@ def test_supersede_rule_one_key_per_sample_id_text():
 
 def test_sample_key_is_one_spelling():
     k = SampleKey.of({"dataset": "d", "sample_id": 7})
-    assert k == SampleKey("d", "7") == SampleKey.of({"dataset": "d", "sample_id": "7"})
-    assert str(k) == "d/7" and SampleKey.parse("d/7") == k
+    assert k == skey("d", "7") == SampleKey.of({"dataset": "d", "sample_id": "7", "turn": None})
+    assert str(k) == "d/7" and (k.dataset, k.sample_id, k.turn) == ("d", "7", None) and k.conversation == k
+
+
+def test_sample_key_is_made_from_its_row_only():
+    import pickle
+
+    import pandas as pd
+
+    with pytest.raises(TypeError, match=r"SampleKey.of\(row\)"):
+        SampleKey("d", "7")  # no constructor from parts: a key built by hand is how a turn got dropped
+    t = SampleKey.of({"dataset": "d", "sample_id": "a#1", "turn": 2})  # a sample_id may hold '#'
+    assert str(t) == "d/a#1#2" and (t.sample_id, t.turn) == ("a#1", 2) and str(t.conversation) == "d/a#1"
+    assert pickle.loads(pickle.dumps(t)).turn == 2
+    # a table row (pandas: a NaN turn in a column that holds turns elsewhere is no turn), a Sample, a key
+    frame = pd.DataFrame({"dataset": ["d", "d"], "sample_id": ["5", "6"], "turn": [1, None]})
+    assert [str(SampleKey.of(r)) for _, r in frame.iterrows()] == ["d/5#1", "d/6"]
+    assert SampleKey.of_columns(frame["dataset"], frame["sample_id"], frame["turn"]) == ["d/5#1", "d/6"]
+    assert SampleKey.of(resolve(_rec("d", 5, prompt=(1,), output=(2,)) | {"turn": 3}, {})) == "d/5#3"
+    with pytest.raises(KeyError, match="sample_id"):
+        SampleKey.of({"dataset": "d"})
 
 
 def test_resolve_exact_then_rebuilt_then_none(params):
     rebuilt = read_rebuilt(params.run_dir)
     s = resolve(_rec("b1_glaive", 9, prompt=(1, 2), output=(3, 2)), rebuilt)
     assert (s.input_ids, s.loss_mask, s.ids_exact, s.sample_id, s.key, str(s.key)) == \
-        ([1, 2, 3, 2], [0, 0, 1, 1], True, "9", SampleKey("b1_glaive", "9"), "b1_glaive/9")
+        ([1, 2, 3, 2], [0, 0, 1, 1], True, "9", skey("b1_glaive", "9"), "b1_glaive/9")
     assert s.record is None and resolve(_rec("b1_glaive", 9), rebuilt, keep_record=True).record is not None
     api = resolve(_rec("b1_glaive", 4, output=None, source="api"), rebuilt)
     assert (api.input_ids, api.loss_mask, api.ids_exact, api.source) == ([1, 2, 3, 40, 2], [0, 0, 0, 1, 1], False, "api")
@@ -97,7 +117,7 @@ def test_export_takes_exactly_the_mix(params):
 def test_read_verdicts_by_key_or_none(tmp_path):
     assert read_verdicts(tmp_path) is None
     _write(tmp_path / "audit" / "verdicts.jsonl", [{"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}])
-    assert read_verdicts(tmp_path) == {SampleKey("d", "7"): {"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}}
+    assert read_verdicts(tmp_path) == {skey("d", "7"): {"dataset": "d", "sample_id": 7, "failed": ["x"], "truncated": True}}
     _write(tmp_path / "audit" / "verdicts.jsonl", [{"dataset": "d", "failed": []}])
     with pytest.raises(RunFileError, match=r"verdicts\.jsonl:1: missing field\(s\) sample_id") as e:
         read_verdicts(tmp_path)
@@ -143,5 +163,5 @@ def test_rebuilt_turns_keep_their_own_key(smollm2_tokenizer):
     recs = [dict(synthetic_api_record("d", 5, reasoning=None, content=f"Answer {t}.", profile="smollm2",
                                       completion_tokens=4), turn=t) for t in (0, 1)]
     lines = reconstruct_records(recs, smollm2_tokenizer, SMOLLM2, ReconstructParams())
-    assert [SampleKey.of(ln) for ln in lines] == [SampleKey("d", "5", 0), SampleKey("d", "5", 1)]
+    assert [SampleKey.of(ln) for ln in lines] == [skey("d", "5", 0), skey("d", "5", 1)]
     assert len({SampleKey.of(ln) for ln in lines}) == 2

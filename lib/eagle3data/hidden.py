@@ -546,21 +546,23 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
     duplicates = stale = 0
     for shard, entries in sorted(scan.shards.items()):
         for e in entries:
-            k = SampleKey(str(e["dataset"]), str(e["sample_id"]))
+            k = SampleKey.of(e)
             if k not in want:
                 stale += 1
                 continue
             if k in rows:
                 duplicates += 1
                 continue
-            rows[k] = {**e, "position": want[k][0], "shard": shard}
+            rows[k] = {**e, "key": str(k), "turn": k.turn, "position": want[k][0], "shard": shard}
     missing = [str(k) for k in want if k not in rows]
     if missing and not allow_partial:
         raise IncompleteError(f"{len(missing)} of {len(want)} mix samples are not stored yet "
                               f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
-    cols = ["dataset", "sample_id", "source", "ids_exact", "position", "shard", "offset", "length", "loss_tokens"]
+    cols = ["key", "dataset", "sample_id", "turn", "source", "ids_exact", "position", "shard", "offset", "length",
+            "loss_tokens"]
     df = pd.DataFrame(sorted(rows.values(), key=lambda r: r["position"]), columns=cols)
-    df = df.astype({"position": "int64", "offset": "int64", "length": "int64", "loss_tokens": "int64"})
+    df = df.astype({"turn": "Int32", "position": "int64", "offset": "int64", "length": "int64",
+                    "loss_tokens": "int64"})
     tag = tmp_tag()
     pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(hdir / INDEX_FILE) + tag)
     os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)

@@ -541,8 +541,9 @@ def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
     outs = [table.output_ids(i) for i in range(len(table))]
     prompts = [table.prompt_ids(i) for i in range(len(table))]
     has_o, has_p = table.has_output.copy(), table.has_prompt.copy()
+    keys = SampleKey.of_columns(meta["dataset"], meta["sample_id"], meta["turn"] if "turn" in meta else None)
     for i in need:
-        o = rebuilt.get(SampleKey(str(meta.at[i, "dataset"]), str(meta.at[i, "sample_id"])))
+        o = rebuilt.get(keys[i])
         if o is None or not isinstance(o.get("output_ids"), list):
             continue
         outs[i] = np.asarray(o["output_ids"], dtype=np.int64)
@@ -579,13 +580,9 @@ def take_records(table: IdTable, rows: np.ndarray) -> IdTable:
     return t
 
 
-def meta_keys(meta: pd.DataFrame) -> list[Any]:
-    """Each row's key for the supersede rule: (dataset, sample_id), or its `SampleKey` with the turn where
-    the run was generated turn by turn (`turn` set): each turn is its own sample."""
-    if "turn" in meta and meta["turn"].notna().any():
-        return [SampleKey(str(d), str(s), None if t is None or t != t else int(t))
-                for d, s, t in zip(meta["dataset"], meta["sample_id"], meta["turn"])]
-    return list(zip(meta["dataset"].astype(str), meta["sample_id"].astype(str)))
+def meta_keys(meta: pd.DataFrame) -> list[SampleKey]:
+    """Each row's key (`SampleKey.of` the row, its turn included: each turn is its own sample)."""
+    return SampleKey.of_columns(meta["dataset"], meta["sample_id"], meta["turn"] if "turn" in meta else None)
 
 
 def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:

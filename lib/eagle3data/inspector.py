@@ -232,7 +232,7 @@ def _count_html(m: Any) -> str:
         reb = read_rebuilt(run_dir, [str(m["dataset"])])
     except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read this file
         return f"<p><i>reconstruct/{_esc(str(m['dataset']))}.jsonl not readable here: {_esc(str(e))}</i></p>"
-    r = reb.get(SampleKey(str(m["dataset"]), str(m["sample_id"])))
+    r = reb.get(SampleKey.of(m))
     if r is None:
         return ""
     billed, n = r.get("billed_tokens"), r.get("rebuilt_tokens", len(r.get("output_ids") or []))

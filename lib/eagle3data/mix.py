@@ -156,7 +156,8 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
 
     def drop(rec_or_s: Any, reason: str, **extra: Any) -> None:
         key = rec_or_s.key if isinstance(rec_or_s, Sample) else SampleKey.of(rec_or_s)
-        dropped.append({"dataset": key.dataset, "sample_id": key.sample_id, "reason": reason, **extra})
+        dropped.append({"key": str(key), "dataset": key.dataset, "sample_id": key.sample_id, "turn": key.turn,
+                        "reason": reason, **extra})
 
     for name in names:
         lines = view.datasets[name]
@@ -204,7 +205,7 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
         if hp.train_turns == "last":
             cands = _last_turns(cands, conv_of, drop)
         # deterministic order before dedupe/caps: journals are in completion order
-        cands.sort(key=lambda s: _sort_key(s.sample_id))
+        cands.sort(key=lambda s: (_sort_key(s.sample_id), -1 if s.turn is None else s.turn))
         uniq: list[Sample] = []
         for s in cands:
             h = hashlib.blake2b(np.asarray(s.input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
@@ -409,7 +410,9 @@ def write_mix(mix: Mix, out_dir: Path) -> Path:
     table = pa.table({
         "position": pa.array(range(len(mix.samples)), pa.int64()),
         "dataset": pa.array([s.dataset for s in mix.samples], pa.string()),
+        "key": pa.array([str(s.key) for s in mix.samples], pa.string()),
         "sample_id": pa.array([s.sample_id for s in mix.samples], pa.string()),
+        "turn": pa.array([s.turn for s in mix.samples], pa.int32()),
         "source": pa.array([s.source for s in mix.samples], pa.string()),
         "ids_exact": pa.array([s.ids_exact for s in mix.samples], pa.bool_()),
         "input_ids": pa.array([s.input_ids for s in mix.samples], pa.list_(pa.int32())),
@@ -434,7 +437,8 @@ def read_mix(out_dir: str | Path) -> Mix:
     if not path.exists():
         raise FileNotFoundError(f"no training mix at {path}: build it first (mix.build_mix)")
     t = pq.read_table(path).to_pydict()
-    samples = [Sample(d, sid, src, ex, None, ids, mask) for d, sid, src, ex, ids, mask in
-               zip(t["dataset"], t["sample_id"], t["source"], t["ids_exact"], t["input_ids"], t["loss_mask"])]
+    turns = t.get("turn") or [None] * len(t["dataset"])
+    samples = [Sample(d, sid, src, ex, None, ids, mask, turn=tn) for d, sid, tn, src, ex, ids, mask in
+               zip(t["dataset"], t["sample_id"], turns, t["source"], t["ids_exact"], t["input_ids"], t["loss_mask"])]
     manifest = orjson.loads((out_dir / MANIFEST_FILE).read_bytes())
     return Mix(samples, manifest, path, dropped=manifest.get("dropped", []))

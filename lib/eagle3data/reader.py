@@ -3,7 +3,7 @@
 Every stage after 01 reads a run through here (03 reads the journals' ids through its fast
 array reader, `idtable.py`, and applies the same rule with `supersede_rule`):
 
-- **One key.** A sample is `SampleKey(dataset, sample_id as text)`, written `dataset/sample_id`.
+- **One key.** A sample is `SampleKey.of(row)`, written `dataset/sample_id` (`#turn` for a turn).
 - **The latest journal line per key is the record** (its latest *completed* line when an
   error was journaled after a response). The key's other lines are *superseded*: a retried
   error (or abort) is not a failure and not a duplicate. A key with two completed lines
@@ -30,43 +30,73 @@ COMPLETED = ("stop", "length")  # finish reasons of a record that holds a respon
 
 
 class SampleKey(str):
-    """The one key of a sample in every stage: the text `dataset/sample_id` (sample_id as text).
+    """The one key of a sample in every stage, made only from its row: `SampleKey.of(row)`.
 
-    A `str` (so it is the dict key, the parquet value and the trainer id as it is), with its
-    two parts as attributes. Dataset names hold no `/`; a sample_id may.
-
-    A turn of a conversation regenerated turn by turn (`generate.turns: all`, a record with a
-    `turn` field) is `dataset/sample_id#turn`: each turn is its own sample (its own supersede
-    rule, its own training sequence); `sample_id` then reads `sample_id#turn`.
+    The text `dataset/sample_id` (sample_id as text), or `dataset/sample_id#turn` for a turn of a
+    conversation regenerated turn by turn (`generate.turns: all`, a row with a `turn`): each turn
+    is its own sample (its own supersede rule, its own training sequence). A `str` (the dict key,
+    the parquet `key` value and the trainer id as it is) whose parts are attributes: `dataset`,
+    `sample_id` (the row's own id, never with the turn), `turn` (int or None), and
+    `conversation` (the key of the whole conversation). Dataset names hold no `/`; a sample_id
+    may. There is no other constructor: every file that names a sample carries `dataset`,
+    `sample_id` and (for turns) `turn`, and its key is `SampleKey.of` that row.
     """
 
-    __slots__ = ()
+    dataset: str
+    sample_id: str
+    turn: int | None
 
-    def __new__(cls, dataset: str, sample_id: Any, turn: int | None = None) -> SampleKey:
-        return super().__new__(cls, f"{dataset}/{sample_id}" if turn is None else f"{dataset}/{sample_id}#{int(turn)}")
-
-    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]
-        return (self.dataset, self.sample_id)
-
-    @property
-    def dataset(self) -> str:
-        return self.partition("/")[0]
-
-    @property
-    def sample_id(self) -> str:
-        return self.partition("/")[2]
+    def __new__(cls, *args: Any, **kwargs: Any) -> SampleKey:
+        raise TypeError("a SampleKey is made from its row: SampleKey.of(row) (dataset, sample_id, turn)")
 
     @classmethod
-    def of(cls, obj: Any) -> SampleKey:
-        """The key of a record, verdict or rebuilt line (a dict with `dataset`, `sample_id`, and `turn` when a turn)."""
-        turn = obj.get("turn") if hasattr(obj, "get") else None
-        return cls(str(obj["dataset"]), str(obj["sample_id"]), None if turn is None or turn != turn else int(turn))
+    def _make(cls, dataset: str, sample_id: str, turn: int | None) -> SampleKey:
+        k = str.__new__(cls, key_text(dataset, sample_id, turn))
+        k.dataset, k.sample_id, k.turn = dataset, sample_id, turn
+        return k
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str, int | None]]:
+        return (SampleKey._make, (self.dataset, self.sample_id, self.turn))
+
+    @property
+    def conversation(self) -> SampleKey:
+        """The conversation's key (`dataset/sample_id`): the key itself when it is no turn."""
+        return self if self.turn is None else SampleKey._make(self.dataset, self.sample_id, None)
 
     @classmethod
-    def parse(cls, text: str) -> SampleKey:
-        """`dataset/sample_id` back into a key."""
-        ds, _, sid = str(text).partition("/")
-        return cls(ds, sid)
+    def of(cls, row: Any) -> SampleKey:
+        """The key of a row: a record, rebuilt line, verdict, mix/index row or `Sample` (a mapping or
+        an object with `dataset`, `sample_id` and, for a turn, `turn`; a missing or NaN turn is none)."""
+        if isinstance(row, SampleKey):
+            return row
+        get = row.get if hasattr(row, "get") else (lambda f, d=None: getattr(row, f, d))
+        ds, sid, turn = get("dataset"), get("sample_id"), get("turn")
+        if ds is None or sid is None:
+            raise KeyError(f"a sample key needs `dataset` and `sample_id`; the row has dataset={ds!r}, sample_id={sid!r}")
+        return cls._make(str(ds), str(sid), _turn(turn))
+
+    @classmethod
+    def of_columns(cls, dataset: Iterable[Any], sample_id: Iterable[Any],
+                   turn: Iterable[Any] | None = None) -> list[SampleKey]:
+        """The keys of a table's rows, column by column (the same rule as `of`, row by row)."""
+        if turn is None:
+            return [cls._make(str(d), str(s), None) for d, s in zip(dataset, sample_id)]
+        return [cls._make(str(d), str(s), _turn(t)) for d, s, t in zip(dataset, sample_id, turn)]
+
+
+def _turn(t: Any) -> int | None:
+    """A row's turn: None for none, NaN or pandas' NA (a turn column of a table whose other rows are turns)."""
+    if t is None:
+        return None
+    try:
+        return None if t != t else int(t)
+    except TypeError:  # pandas.NA: its comparisons are NA, whose truth is refused
+        return None
+
+
+def key_text(dataset: str, sample_id: str, turn: int | None) -> str:
+    """The spelling of a key (`SampleKey.of` makes it; kept apart so tables can compare texts in bulk)."""
+    return f"{dataset}/{sample_id}" if turn is None else f"{dataset}/{sample_id}#{int(turn)}"
 
 
 class RunFileError(ValueError):
@@ -178,10 +208,11 @@ class Sample:
     input_ids: list[int]
     loss_mask: list[int]
     record: dict[str, Any] | None = None
+    turn: int | None = None  # the turn of a conversation regenerated turn by turn; None otherwise
 
     @property
     def key(self) -> SampleKey:
-        return SampleKey(self.dataset, self.sample_id)
+        return SampleKey.of(self)
 
 
 def resolve(rec: dict[str, Any], rebuilt: dict[SampleKey, dict[str, Any]], *, keep_record: bool = False) -> Sample | None:
@@ -201,7 +232,7 @@ def resolve(rec: dict[str, Any], rebuilt: dict[SampleKey, dict[str, Any]], *, ke
         return None
     return Sample(dataset=key.dataset, sample_id=key.sample_id, source=rec.get("source", "?"), ids_exact=exact,
                   finish_reason=rec.get("finish_reason"), input_ids=ids, loss_mask=mask,
-                  record=rec if keep_record else None)
+                  record=rec if keep_record else None, turn=key.turn)
 
 
 # ---------------------------------------------------------------- the run

@@ -107,7 +107,19 @@ class ShardScan:
                 "(or point hidden.out_dir elsewhere) to extract again")
 
     def done_keys(self) -> set[str]:
-        return {SampleKey(str(e["dataset"]), str(e["sample_id"])) for es in self.shards.values() for e in es}
+        return {SampleKey.of(e) for es in self.shards.values() for e in es}
+
+
+def index_entry(s: Sample, position: int, offset: int) -> dict[str, Any]:
+    """A stored sample's index row: its key (and the row it is made from: dataset, sample_id, turn), where it lies."""
+    return {"key": str(s.key), "dataset": s.dataset, "sample_id": s.sample_id, "turn": s.turn, "source": s.source,
+            "ids_exact": s.ids_exact, "position": position, "offset": offset, "length": len(s.input_ids),
+            "loss_tokens": int(sum(s.loss_mask))}
+
+
+def index_keys(index: Any) -> list[SampleKey]:
+    """The key of each row of a hidden-state index frame (in its order)."""
+    return SampleKey.of_columns(index["dataset"], index["sample_id"], index["turn"] if "turn" in index else None)
 
 
 def read_shard_meta(path: Path) -> dict[str, Any]:
@@ -208,9 +220,7 @@ class ShardWriter:
         nbytes = states.numel() * states.element_size() + 5 * n
         if self.entries and self.bytes + nbytes > self.cap:
             self.flush()
-        self.entries.append({"dataset": s.dataset, "sample_id": s.sample_id, "source": s.source,
-                             "ids_exact": s.ids_exact, "position": position, "offset": self.tokens, "length": n,
-                             "loss_tokens": int(sum(s.loss_mask))})
+        self.entries.append(index_entry(s, position, self.tokens))
         self.states.append(states)
         self.ids.append(torch.tensor(s.input_ids, dtype=torch.int32))
         self.masks.append(torch.tensor(s.loss_mask, dtype=torch.uint8))
@@ -268,8 +278,7 @@ class SampleFileWriter:
         n = len(s.input_ids)
         if states.shape[0] != n:
             raise HiddenError(f"{s.key}: {states.shape[0]} states for {n} tokens")
-        entry = {"dataset": s.dataset, "sample_id": s.sample_id, "source": s.source, "ids_exact": s.ids_exact,
-                 "position": position, "offset": 0, "length": n, "loss_tokens": int(sum(s.loss_mask))}
+        entry = index_entry(s, position, 0)
         meta = orjson.dumps({**self.info, "rank": self.rank, "samples": [entry], "tokens": n}).decode()
         name = f"p{position:09d}{self.suffix}"
         write_sample_file(self.dir / name, self.layout, s.input_ids, s.loss_mask, states, self.names, meta,
@@ -367,8 +376,7 @@ class HiddenReader:
             raise FileNotFoundError(f"no index at {self.dir / INDEX_FILE}: run 04 (or merge_index) first")
         self.index: pd.DataFrame = pd.read_parquet(self.dir / INDEX_FILE)
         self.info: dict[str, Any] = orjson.loads((self.dir / INFO_FILE).read_bytes())
-        self._rows = {str(SampleKey(str(d), str(s))): i
-                      for i, (d, s) in enumerate(zip(self.index["dataset"], self.index["sample_id"]))}
+        self._rows = {str(k): i for i, k in enumerate(index_keys(self.index))}
         self.states: tuple[str, ...] = tuple(self.info.get("states") or ("aux_low", "aux_mid", "aux_high", "final_norm"))
         self.layout: str = self.info.get("layout", "shards")
 
@@ -455,7 +463,8 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
     problems: list[dict[str, Any]] = []
 
     def bad(row: dict[str, Any], check: str, detail: str) -> None:
-        problems.append({"dataset": row["dataset"], "sample_id": row["sample_id"], "check": check, "detail": detail})
+        problems.append({"key": str(SampleKey.of(row)), "dataset": row["dataset"], "sample_id": row["sample_id"],
+                         "check": check, "detail": detail})
 
     seen = 0
     tokens = 0
@@ -471,7 +480,7 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
             bad(smp, "finite", f"{int((~torch.isfinite(hs)).sum())} NaN/Inf values")
         if len(ids) != n or len(mask) != n:
             bad(smp, "mask_length", f"{len(ids)} ids, {len(mask)} mask values for {n} states")
-        src = sources.get(SampleKey(str(smp["dataset"]), str(smp["sample_id"])))
+        src = sources.get(SampleKey.of(smp))
         if src is None:
             bad(smp, "source", "not found in the run's records / reconstruct files")
         else:
@@ -481,7 +490,7 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
                 bad(smp, "mask", "stored loss_mask differs from the source record")
     too_long = len(reader.info.get("too_long", []))
     if seen != len(mix.samples) or reader.keys() != [str(s.key) for s in mix.samples]:
-        problems.append({"dataset": "*", "sample_id": "*", "check": "coverage",
+        problems.append({"key": "*", "dataset": "*", "sample_id": "*", "check": "coverage",
                          "detail": f"{seen} stored samples, {len(mix.samples)} in the mix: the index must hold "
                                    "exactly the mix's keys in mix order"})
     return Validation(seen, tokens, problems, len(mix.samples), too_long)
