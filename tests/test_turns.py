@@ -35,6 +35,7 @@ from eagle3data.reader import SampleKey, read_run
 from eagle3data.records import scan_journal
 from eagle3data.turns import assistant_message, conversation_turns
 from loopback import LoopbackServer
+from runfiles import key as skey
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_ENV = "EAGLE3DATA_TEST_TURNS_KEY"
@@ -252,7 +253,7 @@ def test_on_policy_check_fails_a_history_from_the_dataset(qwen, tmp_path):
     assert conversation_turns(params.run_dir, "d0", "c")["history"].tolist()[2] == \
         "user, assistant (NOT a journaled turn), user, assistant (NOT a journaled turn), user"
     mix = build_mix(params, write=False)  # the verdict is per turn: only that turn leaves the mix
-    assert SampleKey("d0", "c", 2) not in {x.key for x in mix.samples} and len(mix.samples) == 6
+    assert skey("d0", "c", 2) not in {x.key for x in mix.samples} and len(mix.samples) == 6
 
 
 def test_max_turns_and_budget_cut_at_turn_granularity(qwen, tmp_path):
@@ -472,11 +473,11 @@ def test_resume_never_builds_a_history_from_an_error_record(qwen, tmp_path):
                                                       "generate.retry_errors": True})
     run_generate(retry, progress=False, model=model, tokenizer=qwen)
     view = read_run(retry.run_dir)
-    c1 = view.by_key()[SampleKey("d0", "c", 1)]
+    c1 = view.by_key()[skey("d0", "c", 1)]
     assert c1["finish_reason"] == "stop" and [m for m in c1["messages"] if m["role"] == "assistant"] == \
         [assistant_message(c0)]
     assert len(view.datasets["d0"].superseded()) == 1
-    c2 = view.by_key()[SampleKey("d0", "c", 2)]
+    c2 = view.by_key()[skey("d0", "c", 2)]
     assert [m for m in c2["messages"] if m["role"] == "assistant"] == [assistant_message(c0), assistant_message(c1)]
 
 

@@ -45,7 +45,7 @@ from .profiles import get_profile
 from .prompts import Prompt, PromptDataError, PromptSet, load_datasets, template_prompt, template_prompts
 from .reader import SampleKey
 from .records import Journal, Record, Usage, scan_journal
-from .turns import Conversation
+from .turns import Conversation, end_kind
 
 # Set by `eagle3data run` for the kernel it starts: a STOP file there is that run's own stop request
 # (written on Ctrl-C before this stage got going), never a stale one to remove.
@@ -150,7 +150,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
             _plan_conversations(params, name, ps, scan.records, led, tokenizer, profile, template, pending,
                                 done_keys, convs)
             continue
-        plan_keys = {SampleKey(name, p.sample_id) for p in ps.prompts} if scan.records else set()
+        plan_keys = {SampleKey.of(p) for p in ps.prompts} if scan.records else set()
         for r in scan.records:
             k = SampleKey.of(r)
             if k in plan_keys and (k not in final or final[k]["finish_reason"] == "error"):
@@ -164,7 +164,7 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
             else:
                 done_keys.add(k)
         led.resumed = led.done
-        todo = [p for p in ps.prompts if SampleKey(name, p.sample_id) not in done_keys] if final else ps.prompts
+        todo = [p for p in ps.prompts if SampleKey.of(p) not in done_keys] if final else ps.prompts
         if not template:
             pending.extend((p, None) for p in todo)
             continue
@@ -189,7 +189,9 @@ def _plan_conversations(params: RunParams, name: str, ps: PromptSet, records: li
     """turns: all: replay each conversation's journaled turns in order (the history of the next turn is
     rebuilt from them); its next turn is pending unless it ended. A turn's record is its first completed
     line (an error is replaced by a later line of its turn); a history is never built from an error:
-    with retry_errors the error turn is pending again, else the conversation ended there."""
+    with retry_errors the error turn is pending again, else the conversation ended there. A conversation
+    whose last record says it ended (`conversation_end`) is not continued (`Conversation.replay`; only a
+    `max_turns` end is judged again, by this run's generate.max_turns)."""
     led.planned = 0
     led.conversations = len(ps.prompts)
     by_turn: dict[str, dict[int, dict[str, Any]]] = {}
@@ -209,9 +211,14 @@ def _plan_conversations(params: RunParams, name: str, ps: PromptSet, records: li
                 break
             led.planned += 1
             done_keys.add(SampleKey.of(r))
-            conv.advance(r)
+            conv.replay(r)  # a journaled end (too_long) is final
         if conv.ended is not None:
-            led.end_conversation(conv.ended)
+            if end_kind(conv.ended) == "too_long":  # its next turn, never sent, is counted as the run that cut it did
+                led.planned += 1
+                led.reject(p.sample_id, f"{name}:{p.sample_id}#{conv.turn}: {conv.ended.split(': ', 2)[-1]}",
+                           turn=True)
+            else:
+                led.end_conversation(conv.ended)
             continue
         led.planned += 1
         tp = conv.turn_prompt()
@@ -309,13 +316,32 @@ class _LocalStop:
         return self.reason is not None
 
 
-def _end_turn(conv: Conversation, rec: dict[str, Any], led: DatasetLedger) -> str | None:
-    """Take a turn's record into its conversation; when that ends it, the reason goes into the record."""
+def _take_turn(params: RunParams, conv: Conversation, rec: dict[str, Any], led: DatasetLedger, tokenizer: Any,
+               profile: Any) -> tuple[str | None, Prompt | None, list[int] | None]:
+    """Take a turn's record into its conversation, before the record is journaled: (the end reason, or None and
+    the next turn's prompt and ids).
+
+    When the conversation ends here, its reason goes into the record (`conversation_end`), and the ledger counts
+    it. That is the conversation's own end (`Conversation.advance`: done, max_turns, a tool call that does not
+    match, a reply cut or failed), or `too_long`: the next turn's prompt (the history, this reply, the dataset's
+    next user or tool turn) is templated here, while this record can still say so, and when it reaches
+    model.max_context the conversation ends with `too_long: turn T: prompt of N tokens reaches ...`; that
+    turn is counted planned and rejected (never sent). A next turn that is sent is the caller's to count planned.
+    """
     end = conv.advance(rec)
-    if end is not None:
-        rec["conversation_end"] = end
+    if end is None:
+        tp = conv.turn_prompt()
+        ids = template_prompt(tokenizer, tp, profile)
+        why = _too_long_why(params, ids)
+        if why is None:
+            return None, tp, ids
+        led.planned += 1
+        led.reject(conv.sample_id, f"{conv.dataset}:{conv.sample_id}#{conv.turn}: {why}", turn=True)
+        end = conv.end(f"too_long: turn {conv.turn}: {why}")
+    else:
         led.end_conversation(end)
-    return end
+    rec["conversation_end"] = end
+    return end, None, None
 
 
 def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
@@ -381,10 +407,10 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
                 for (p, ids, conv), res in zip(chunk, results):
                     led = ledger[p.dataset]
                     rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
-                    end = "single"
-                    if conv is not None:
+                    end, tp, nids = "single", None, None
+                    if conv is not None:  # the next turn is templated before this record is written (too_long)
                         rec["turn"] = conv.turn
-                        end = _end_turn(conv, rec, led)
+                        end, tp, nids = _take_turn(params, conv, rec, led, tokenizer, profile)
                     j = journals.get(p.dataset) or journals.setdefault(
                         p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
                     j.write(rec)
@@ -392,14 +418,8 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
                     new += 1
                     if end is not None:
                         continue
-                    assert conv is not None
-                    tp = conv.turn_prompt()
-                    nids = template_prompt(tokenizer, tp, profile)
+                    assert tp is not None and nids is not None
                     led.planned += 1
-                    too_long = _too_long(params, p.dataset, f"{p.sample_id}#{conv.turn}", nids)
-                    if too_long:
-                        led.reject(p.sample_id, too_long, turn=True)
-                        continue
                     queue.append((tp, nids))
                 chunk = []
                 write_ledger(run_dir, ledger, "running", {"source": "local"})
@@ -440,9 +460,15 @@ def _jobs(params: RunParams, plan: RunPlan) -> list:
 
 def _too_long(params: RunParams, dataset: str, sample_id: Any, ids: list[int]) -> str | None:
     """Why a templated prompt is not sent (it reaches model.max_context), or None."""
+    why = _too_long_why(params, ids)
+    return None if why is None else f"{dataset}:{sample_id}: {why}"
+
+
+def _too_long_why(params: RunParams, ids: list[int]) -> str | None:
+    """`prompt of N tokens reaches model.max_context M` when a templated prompt is too long to send, else None."""
     max_ctx = params.model.max_context
     if max_ctx is not None and len(ids) >= max_ctx:
-        return f"{dataset}:{sample_id}: prompt of {len(ids)} tokens reaches model.max_context {max_ctx}"
+        return f"prompt of {len(ids)} tokens reaches model.max_context {max_ctx}"
     return None
 
 
@@ -460,17 +486,19 @@ def _preparer(params: RunParams, tokenizer: Any, profile: Any):
     return prepare
 
 
-def _follower(ledger: dict[str, DatasetLedger]):
-    """The engine's `follow` (turns: all): a journaled turn's record -> its conversation's next turn, or None."""
+def _follower(params: RunParams, ledger: dict[str, DatasetLedger], tokenizer: Any, profile: Any):
+    """The engine's `follow` (turns: all): a turn's record, before it is journaled -> its conversation's next
+    turn, templated, or None (the conversation ended: its reason, `too_long` included, is now in the record;
+    see `_take_turn`)."""
     from .backends.engine import Job
 
     def follow(job: Any, rec: dict[str, Any]) -> Any:
         conv = job.conversation
-        if _end_turn(conv, rec, ledger[job.dataset]) is not None:
+        end, tp, ids = _take_turn(params, conv, rec, ledger[job.dataset], tokenizer, profile)
+        if end is not None:
             return None
-        tp = conv.turn_prompt()
-        return Job(job.dataset, job.sample_id, tp.messages, tp.tools, None, prompt=tp, turn=conv.turn,
-                   conversation=conv)
+        return Job(job.dataset, job.sample_id, tp.messages, tp.tools, ids, reserve=_reserve(params, ids), prompt=tp,
+                   turn=conv.turn, conversation=conv)
 
     return follow
 
@@ -518,7 +546,7 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
                     journal_dir=run_dir / "records", run_dir=run_dir, done_keys=plan.done_keys,
                     budgets={d.name: d.token_budget for d in params.datasets}, ledger_extra=lambda: extra,
                     progress=progress, prepare=_preparer(params, tokenizer, profile),
-                    follow=_follower(plan.ledger) if plan.conversations else None)
+                    follow=_follower(params, plan.ledger, tokenizer, profile) if plan.conversations else None)
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -10,7 +10,8 @@ With `generate.turns: all` the counts are of turns (one record per turn): `plann
 reached so far (a conversation's next turn is planned when the turn before it is journaled),
 and `conversations` / `conversation_ends` count conversations and how they ended, by reason
 (done, max_turns, tool_call_mismatch, ..., budget, too_long); a conversation cut by a stop has
-no end yet (`open`: it goes on at resume).
+no end yet (`open`: it goes on at resume). Every reason but `budget` is also in the conversation's
+last record (`conversation_end`); a `budget` end is counted here only (docs/01 "Turns").
 """
 
 from __future__ import annotations

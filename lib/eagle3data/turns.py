@@ -21,9 +21,13 @@ After the model's reply:
 - **an answer**: the next exchange's user messages follow; none left: the conversation is `done`.
 - a reply cut by the length limit (`length`), an `abort` or an `error` ends it too, and so does
   `generate.max_turns`.
+- from the run: `too_long` (the next turn's prompt reaches model.max_context: generate.py templates
+  it before this turn's record is written) and `budget` (the dataset's token budget skips the next
+  turn: counted in the ledger only, see docs/01 "Turns").
 
-The reason is journaled on the conversation's last turn record (`conversation_end`); a turn
-record's key is `SampleKey.of(record)` = `dataset/sample_id#turn`.
+The reason is journaled on the conversation's last turn record (`conversation_end`; `budget`
+excepted); at resume a journaled end is final, `max_turns` excepted (`Conversation.replay`).
+A turn record's key is `SampleKey.of(record)` = `dataset/sample_id#turn`.
 """
 
 from __future__ import annotations
@@ -181,6 +185,18 @@ class Conversation:
         if self.max_turns is not None and self.turn >= self.max_turns:
             return self.end(f"max_turns: {self.turn} turn(s) generated (generate.max_turns)")
         return None
+
+    def replay(self, rec: dict[str, Any]) -> str | None:
+        """Take an already journaled turn's record in (resume): as `advance`, and where the record says the
+        conversation ended (`conversation_end`) it ends there, with that reason, whatever this run would decide:
+        a `too_long` end (the next turn's prompt reached model.max_context when the record was written) is
+        final. Only `max_turns` is judged again, by this run's generate.max_turns (raise it to go on); the other
+        reasons `advance` finds in the record itself."""
+        end = self.advance(rec)
+        journaled = rec.get("conversation_end")
+        if end is None and isinstance(journaled, str) and end_kind(journaled) != "max_turns":
+            end = self.end(journaled)
+        return end
 
 
 def end_kind(reason: str | None) -> str | None:

@@ -69,7 +69,9 @@ class Job:
     `prompt_ids` may be None until the engine's `prepare` templates the job (just before
     dispatch, or ahead of it while every slot is busy); `rejected` then says why it is not sent.
     A turn of a conversation (`generate.turns: all`) has its `turn` and `conversation`: when its
-    record is journaled, the engine's `follow` gives the conversation's next turn (or none).
+    record comes back, the engine's `follow` takes it into the conversation before it is journaled
+    and gives the conversation's next turn, templated (or none: the conversation ended, and its
+    reason, a too-long next prompt included, is written into the record).
     """
 
     dataset: str
@@ -85,7 +87,7 @@ class Job:
 
     @property
     def key(self) -> SampleKey:
-        return SampleKey(self.dataset, self.sample_id, self.turn)
+        return SampleKey.of(self)
 
 
 class Backend(Protocol):
@@ -301,7 +303,8 @@ class Engine:
             self.duplicates += 1
             return
         nxt = self.follow(job, rec) if self.follow is not None and job.conversation is not None else None
-        self._journal(job.dataset).write(rec)  # `follow` wrote the conversation's end reason into it, if it ended
+        # `follow` wrote the conversation's end reason into it, if it ended (a too-long next prompt: too_long)
+        self._journal(job.dataset).write(rec)
         if rec.get("finish_reason") != "error":
             self.done_keys.add(key)
         self.ledger[job.dataset].add_record(rec)
@@ -407,7 +410,7 @@ class Engine:
         """Template the job if it is not yet (see `prepare`); False when it must not be sent."""
         if job.prompt_ids is None and job.rejected is None and self.prepare is not None:
             self.prepare([job])
-        if job.rejected is not None:
+        if job.rejected is not None:  # a conversation's turn here is its first, or a resumed one: no record says so
             self.ledger[job.dataset].reject(job.sample_id, job.rejected, turn=job.conversation is not None)
             return False
         return True
