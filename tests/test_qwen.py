@@ -24,7 +24,7 @@ ADVERSARIAL = [
 
 @pytest.fixture(scope="module")
 def qwen_tiktoken():
-    from eagle3data.qwen import qwen_tiktoken_encoding
+    from qwen3_vocab import qwen_tiktoken_encoding
 
     return qwen_tiktoken_encoding()
 

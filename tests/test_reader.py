@@ -158,7 +158,8 @@ def test_rebuilt_turns_keep_their_own_key(smollm2_tokenizer):
     """02's line of an API turn carries the turn, so two turns of one conversation stay two samples."""
     from eagle3data.params import ReconstructParams
     from eagle3data.profiles import SMOLLM2
-    from eagle3data.reconstruct import reconstruct_records, synthetic_api_record
+    from eagle3data.reconstruct import reconstruct_records
+    from runfiles import synthetic_api_record
 
     recs = [dict(synthetic_api_record("d", 5, reasoning=None, content=f"Answer {t}.", profile="smollm2",
                                       completion_tokens=4), turn=t) for t in (0, 1)]

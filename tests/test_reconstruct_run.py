@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from eagle3data.params import load_params
-from eagle3data.reconstruct import run_reconstruct, synthetic_api_record, tool_call
+from eagle3data.reconstruct import run_reconstruct, tool_call
+from runfiles import synthetic_api_record
 from eagle3data.records import Journal
 
 REPO_PARAMS = "params/ci.yaml"

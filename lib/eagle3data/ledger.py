@@ -112,10 +112,6 @@ class DatasetLedger:
         """Tokens counted against the budget: prompt+completion, or completion only."""
         return self.completion_tokens + (self.prompt_tokens if counts == "total" else 0)
 
-    def adds_up(self) -> bool:
-        """True when every planned sample is accounted for exactly once."""
-        return self.done + self.errors + self.skipped + self.cancelled + self.in_flight == self.planned
-
 
 def write_ledger(run_dir: Path, ledger: dict[str, DatasetLedger], status: str, extra: dict | None = None) -> None:
     """Write `ledger.json` atomically (write a temp file, then rename)."""

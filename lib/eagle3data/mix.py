@@ -27,7 +27,7 @@ import orjson
 
 from .params import RunParams
 from .reader import RunFileError, RunView, Sample, SampleKey, read_run
-from .reconstruct import PROOF_RANK
+from .rebuild import PROOF_RANK
 
 __all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "build_mix", "hidden_dir",
            "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]

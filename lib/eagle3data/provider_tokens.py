@@ -26,7 +26,8 @@ from typing import Any, Sequence
 from .profiles import Profile
 
 
-def _backend(tokenizer: Any) -> Any:
+def fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the object itself)."""
     return getattr(tokenizer, "backend_tokenizer", tokenizer)
 
 
@@ -36,7 +37,7 @@ class TokenMapper:
     def __init__(self, tokenizer: Any):
         from tokenizers import decoders
 
-        self.bt = _backend(tokenizer)
+        self.bt = fast_backend(tokenizer)
         try:
             from transformers.convert_slow_tokenizer import bytes_to_unicode
         except ImportError:  # pragma: no cover - moved in some transformers version
@@ -121,7 +122,7 @@ def span_ids(logprobs: Any, reasoning: str | None, content: str | None, profile:
     out = ProviderSpans()
     if not isinstance(logprobs, dict):
         return out
-    bt = _backend(tokenizer)
+    bt = fast_backend(tokenizer)
     m = mapper_for(bt)
     reasoning, content = reasoning or "", content or ""
     entries = logprobs.get("content")
@@ -157,21 +158,4 @@ def span_ids(logprobs: Any, reasoning: str | None, content: str | None, profile:
             out.ids["reasoning"] = got[0]
         else:
             out.problem = out.problem or "the reasoning tokens do not spell the reasoning"
-    return out
-
-
-def logprob_entries(ids: Sequence[int], tokenizer: Any, *, with_bytes: bool = True) -> list[dict[str, Any]]:
-    """OpenAI-style `logprobs.content` entries for ids (what a provider returns; tests, loopback)."""
-    bt = _backend(tokenizer)
-    m = mapper_for(bt)
-    byte_of = {c: b for b, c in m.char_of.items()}
-    out = []
-    for i in ids:
-        piece = bt.id_to_token(int(i))
-        if piece in m.added:
-            raw = piece.encode()
-        else:
-            raw = bytes(byte_of[c] for c in piece)
-        out.append({"token": raw.decode("utf-8", "replace"), "logprob": -0.1,
-                    "bytes": list(raw) if with_bytes else None, "top_logprobs": []})
     return out

@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 
 from .profiles import Profile, Token
+from .provider_tokens import fast_backend
 
 # Flags a rebuilt record can carry. Informational ones describe the record; the others are
 # problems for 03_audit to judge (the rebuild never repairs the text).
@@ -171,7 +172,7 @@ def _special_texts(profile: Profile, tokenizer: Any = None) -> dict[str, Any]:
     eot = [profile.end_of_turn.text] + ([profile.guard.text] if profile.guard else [])
     reasoning = [t.text for t in (profile.reasoning_open, profile.reasoning_close) if t is not None]
     tools = [t.text for t in profile.tool_calls.tokens()] if profile.tool_calls else []
-    added = [t for t in _added_texts(_backend(tokenizer)) if t not in set(eot + reasoning + tools)] if tokenizer is not None else []
+    added = [t for t in _added_texts(fast_backend(tokenizer)) if t not in set(eot + reasoning + tools)] if tokenizer is not None else []
     first = sorted({t[0] for t in eot + reasoning + tools + added if t} | {"\ufffd"})
     return {"eot": eot, "reasoning": reasoning, "tools": tools, "added": added, "first": first}
 
@@ -400,12 +401,7 @@ def _merge_text(segs: list[Seg], keep: frozenset[str] = frozenset()) -> list[Seg
 # ---------------------------------------------------------------- batched encode + verify
 
 
-def _backend(tokenizer: Any) -> Any:
-    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the object itself)."""
-    return getattr(tokenizer, "backend_tokenizer", tokenizer)
-
-
-def _first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
+def first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
     """First index where two id lists differ (the shorter length if one is a prefix), or None."""
     n = min(len(a), len(b))
     if n:
@@ -542,7 +538,7 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
     """
     if seam_check not in ("offsets", "reencode"):
         raise ValueError(f"seam_check must be 'offsets' or 'reencode', got {seam_check!r}")
-    bt = _backend(tokenizer)
+    bt = fast_backend(tokenizer)
     sp = _special_texts_cached(profile, bt)
     table = _byte_table(bt) if len(turns) >= BYTE_TABLE_MIN_RECORDS else None
     with _gc_paused():
@@ -580,7 +576,7 @@ def rebuild_batch(turns: Sequence[ApiTurn], tokenizer: Any, profile: Profile, *,
                         j += 1
                     else:
                         concat.append(tok.id)
-                seam_diff = _first_diff(concat, ids)
+                seam_diff = first_diff(concat, ids)
             else:
                 seam_diff = _seam_diff_by_offsets(enc, ids, seams) if seams else None
             n_r = (_reasoning_count(enc, ids, seams, profile)

