@@ -13,6 +13,12 @@ bare `lm_head`; speculators applies the verifier's final norm, then `lm_head`, t
 `verifier_last_hidden_states`. Each must predict the next output token as the model did
 (bf16 storage can flip a near-tie: at least 97% here, the model itself being 100%), and
 applying the norm a second time (the old export's mistake) must do clearly worse.
+
+Target head and draft, by SpecForge's own loading: the exported `specforge.yaml` parsed by its
+schema, the head built as `specforge train` builds it (`TargetHead.from_pretrained`, the
+whole run by `build_model_bundle`), never handed ours: SmolLM2 ties its head to the
+embeddings in one `model.safetensors`, which needs the export's `target/` index and the
+embedding's key.
 """
 
 from __future__ import annotations
@@ -266,48 +272,195 @@ def _trainable(m):
     return {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
 
 
-def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model, cpu_eager, monkeypatch):
-    from transformers import LlamaConfig
+def _specforge_run(out: Path, *overrides: str):
+    """The exported specforge.yaml as `specforge train -c specforge.yaml OVERRIDES` resolves it (schema, algorithm)."""
+    from specforge.application.composition import resolve_run
+    from specforge.config.schema import load_config
 
-    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    return resolve_run(load_config(str(out / "specforge.yaml"), list(overrides)))
+
+
+def test_specforge_loads_the_tied_target_head_itself(stores, model):
+    """The head as `specforge train` builds it (`build_eagle3_model`: `TargetHead.from_pretrained(target_model_path,
+    lm_head_key=...)`), from the exported config alone: SmolLM2 ties its head to the embeddings and ships one
+    model.safetensors, so SpecForge needs an index and the embedding's key, which the export gives it."""
     from specforge.modeling.target.target_head import TargetHead
-    from specforge.runtime.contracts import TrainBatch
-    from specforge.training.strategies.base import Eagle3TrainStrategy
 
+    from eagle3data.export import _bytes
     from eagle3data.models import resolve_model_path
 
-    sfm = _import_specforge_eagle3(monkeypatch)
     p, res, mix, exp = stores["specforge"]
     out = p.run_dir / "export" / "specforge"
-    tc = model.config
-    cfg = LlamaConfig(vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                      num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
-                      num_key_value_heads=tc.num_key_value_heads, max_position_embeddings=2048,
-                      rms_norm_eps=tc.rms_norm_eps, pad_token_id=0, tie_word_embeddings=False)
-    cfg.draft_vocab_size = 64
-    draft = LlamaForCausalLMEagle3(cfg, attention_backend="sdpa")
-    draft.load_vocab_mapping(str(out / "vocab_mapping.pt"))  # our vocab_mapping.pt, by its own loader
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
-    draft.freeze_embedding()
-    head = TargetHead(str(resolve_model_path(p.model.path)))
-    with torch.no_grad():
-        head.fc.weight.copy_(model.lm_head.weight)
-    head.freeze_weights()
-    eagle = sfm.OnlineEagle3Model(draft, length=2, attention_backend="sdpa")
-    strategy = Eagle3TrainStrategy(eagle, target_head=head.eval())
-    ds = specforge_pre.build_offline_eagle3_dataset(str(out / "features"), max_len=4096)
-    item = min((ds[i] for i in range(len(ds))), key=lambda x: x["input_ids"].shape[1])
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in item.items()}  # float32 on CPU
-    batch = TrainBatch(sample_ids=["0"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"})
+    cfg = _specforge_run(out).config
+    m = cfg.model
+    head = TargetHead.from_pretrained(m.target_model_path, lm_head_key=m.lm_head_key, cache_dir=m.cache_dir,
+                                      trust_remote_code=m.trust_remote_code)
+    emb = model.model.embed_tokens.weight
+    assert model.config.tie_word_embeddings and m.lm_head_key == m.embedding_key == "model.embed_tokens.weight"
+    assert head.fc.weight.dtype == torch.bfloat16 and torch.equal(head.fc.weight, emb.detach().bfloat16())
+    # the model folder is not written: SpecForge reads it through the export's target/ (links + the index)
+    mdir = resolve_model_path(p.model.path)
+    assert not list(mdir.glob("*.index.json")) and Path(m.target_model_path) == (out / "target").resolve()
+    for f in mdir.iterdir():
+        assert os.path.samefile(out / "target" / f.name, f)
+    index = (out / "target" / "model.safetensors.index.json").stat().st_size
+    assert _bytes(out, "target/") == index < 100_000  # the links count nothing: no weight bytes copied
+    disk = HO.disk_table(res.hidden_dir, {"specforge": out}).set_index("folder")
+    assert disk.filter(like="specforge:", axis=0)["new_vs_hidden"].item() < 0.1, disk
+    assert exp["specforge"]["specforge_target"]["tied"] is True
+    # its logits on a stored final state are ours (its head is bf16): the same greedy next tokens
+    ds = specforge_pre.build_offline_eagle3_dataset(cfg.data.hidden_states_path, max_len=cfg.data.max_length)
+    hits = total = 0
+    for i, s in enumerate(mix.samples):
+        target = ds[i]["target"][0]
+        with torch.inference_mode():
+            theirs, ours = head(target), model.lm_head(target.float())
+        assert torch.equal(theirs, torch.nn.functional.linear(target, emb.detach().bfloat16()))
+        torch.testing.assert_close(theirs.float(), ours, rtol=2**-6, atol=0.1)
+        a, b = _next_token_hits(theirs.float(), ds[i]["input_ids"][0], torch.tensor(s.loss_mask))
+        hits, total = hits + a, total + b
+    assert total > 50 and hits / total >= 0.97, (hits, total)
+
+
+def _tiny_checkpoint(mdir: Path, layout: str) -> dict[str, torch.Tensor]:
+    """A 16-token, 8-wide Llama folder in one checkpoint layout; returns its tensors."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    tied = layout != "single_untied"
+    g = torch.Generator().manual_seed(0)
+    w = {"model.embed_tokens.weight": torch.randn(16, 8, generator=g), "model.norm.weight": torch.ones(8)}
+    if not tied:
+        w["lm_head.weight"] = torch.randn(16, 8, generator=g)
+    mdir.mkdir(parents=True)
+    LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, tie_word_embeddings=tied).save_pretrained(mdir)
+    if layout == "sharded_tied":  # two shards and their index (no lm_head.weight in it: tied)
+        names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        save_file({"model.embed_tokens.weight": w["model.embed_tokens.weight"]}, str(mdir / names[0]))
+        save_file({"model.norm.weight": w["model.norm.weight"]}, str(mdir / names[1]))
+        (mdir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"model.embed_tokens.weight": names[0], "model.norm.weight": names[1]}}))
+    else:
+        save_file(w, str(mdir / "model.safetensors"))
+    if layout == "two_indexes":  # its index and a stale second one: SpecForge refuses a folder with two
+        (mdir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: "model.safetensors" for k in w}}))
+        (mdir / "pytorch_model.bin.index.json").write_text('{"weight_map": {}}')
+    return w
+
+
+@pytest.mark.parametrize("layout", ["single_tied", "single_untied", "sharded_tied", "two_indexes"])
+def test_specforge_loads_head_and_embedding_of_each_checkpoint_layout(tmp_path, layout):
+    """`specforge_target` on one checkpoint layout; SpecForge's own loaders read head and embedding through it."""
+    import types
+
+    from specforge.modeling.draft.base import Eagle3DraftModel
+    from specforge.modeling.target.target_head import TargetHead
+
+    mdir = tmp_path / "model"
+    w = _tiny_checkpoint(mdir, layout)
+    before = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in mdir.iterdir()}
+    view = tmp_path / "out" / "target"
+    view.mkdir(parents=True)  # an earlier export's folder: replaced, or removed when not needed
+    (view / "stale").write_text("x")
+    t = HO.specforge_target(mdir, view)
+    assert {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in mdir.iterdir()} == before  # not written
+    assert t["view"] == (layout != "sharded_tied") and view.exists() == t["view"]
+    assert Path(t["target_model_path"]) == (view if t["view"] else mdir).resolve()
+    assert t["lm_head_key"] == ("lm_head.weight" if layout == "single_untied" else "model.embed_tokens.weight")
+    assert t["embedding_key"] == "model.embed_tokens.weight" and t["tied"] == (layout != "single_untied")
+    head = TargetHead.from_pretrained(t["target_model_path"], lm_head_key=t["lm_head_key"])
+    assert torch.equal(head.fc.weight, w.get("lm_head.weight", w["model.embed_tokens.weight"]).bfloat16())
+    draft = types.SimpleNamespace(embed_tokens=torch.nn.Embedding(16, 8))
+    Eagle3DraftModel.load_embedding(draft, t["target_model_path"], embedding_key=t["embedding_key"])
+    assert torch.equal(draft.embed_tokens.weight, w["model.embed_tokens.weight"])
+
+
+def test_a_checkpoint_without_head_that_does_not_tie_stops_the_specforge_config(tmp_path):
+    import json
+
+    mdir = tmp_path / "model"
+    _tiny_checkpoint(mdir, "single_tied")
+    cfg = json.loads((mdir / "config.json").read_text())
+    (mdir / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    with pytest.raises(HO.HandoffError, match="no lm_head.weight and config.json says tie_word_embeddings false"):
+        HO.specforge_target(mdir, tmp_path / "target")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_our_draft_config_is_the_one_specforge_generates_with_our_vocabulary_size(tmp_path, family):
+    import json
+
+    import yaml
+    from transformers import LlamaConfig, Qwen3Config
+
+    from specforge.application.composition import resolve_run
+    from specforge.config.schema import load_config
+    from specforge.training.model_loading import _generate_draft_config, load_draft_config_source
+
+    mdir = tmp_path / "model"
+    kind = LlamaConfig if family == "llama" else Qwen3Config
+    kind(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(mdir)
+    (tmp_path / "draft.json").write_text(json.dumps(HO.specforge_draft_config(mdir, 48)))
+    (tmp_path / "sf.yaml").write_text(yaml.safe_dump({"model": {"target_model_path": str(mdir)},
+                                                      "data": {"hidden_states_path": str(tmp_path)}}))
+    run = resolve_run(load_config(str(tmp_path / "sf.yaml")))
+    generated = _generate_draft_config(run.config, run.algorithm.providers.model.draft_config)
+    assert generated.draft_vocab_size == HO.SPECFORGE_DRAFT_VOCAB  # its fixed size: why the export writes one
+    generated.draft_vocab_size = 48
+    assert load_draft_config_source(str(tmp_path / "draft.json")).to_dict() == generated.to_dict()
+
+
+def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model, cpu_eager, monkeypatch):
+    """SpecForge assembles the run from the exported config by itself (`build_model_bundle`, what `specforge
+    train` calls): the draft config (ours: its generated one with our draft vocabulary size), the vocab mapping,
+    the draft's frozen embedding and the target head, all read from the files the config names; then one step.
+    The one override is the attention backend (its default, flex_attention, is compiled: sdpa on CPU)."""
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.training.assembly import build_model_bundle
+    from specforge.training.model_loading import _generate_draft_config
+
+    _import_specforge_eagle3(monkeypatch)
+    p, res, mix, exp = stores["specforge"]
+    out = p.run_dir / "export" / "specforge"
+    run = _specforge_run(out, "training.attention_backend=sdpa")
+    cfg = run.config
+    bundle = build_model_bundle(cfg, algorithm=run.algorithm)
+    draft, emb = bundle.draft_model, model.model.embed_tokens.weight.detach()
+    # SpecForge generates this draft config itself except for the draft vocabulary size (its 32000, no setting)
+    generated = _generate_draft_config(cfg, run.algorithm.providers.model.draft_config)
+    generated.draft_vocab_size = 64
+    assert draft.config.to_dict() == generated.to_dict()
+    assert bundle.draft_vocab_size == 64 and bundle.target_vocab_size == model.config.vocab_size
+    vm = torch.load(out / "vocab_mapping.pt", weights_only=True)
+    assert torch.equal(draft.d2t, vm["d2t"]) and torch.equal(draft.t2d, vm["t2d"])
+    assert torch.equal(draft.embed_tokens.weight, emb.bfloat16()) and not draft.embed_tokens.weight.requires_grad
+    assert isinstance(bundle.target_head, TargetHead) and torch.equal(bundle.target_head.fc.weight, emb.bfloat16())
+    strategy = run.algorithm.providers.step.build(bundle.model, target_head=bundle.target_head,
+                                                  **bundle.strategy_kwargs.options)
+    ds = specforge_pre.build_offline_eagle3_dataset(cfg.data.hidden_states_path, max_len=cfg.data.max_length)
+    item = min((ds[i] for i in range(len(ds))), key=lambda x: x["input_ids"].shape[1])  # bf16, as SpecForge trains
+    batch = TrainBatch(sample_ids=["0"], strategy="eagle3", tensors=dict(item),
+                       metadata={"target_repr": "hidden_state"})
+    eagle = bundle.model
     before = _trainable(eagle)
     opt = torch.optim.AdamW([q for q in eagle.parameters() if q.requires_grad], lr=1e-3)
     step = strategy.forward_loss(batch)
     step.loss.backward()
+    grads = {n: q.grad for n, q in eagle.named_parameters() if q.requires_grad}
+    assert grads.keys() == before.keys() and all(g is not None and torch.isfinite(g).all() and g.any()
+                                                 for g in grads.values())
     opt.step()
     assert torch.isfinite(step.loss) and step.loss > 0
     after = _trainable(eagle)
-    assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before) > 0
+    # bf16 weights: a 1e-3 step moves every matrix; the norm scales (1.0) are below bf16's resolution there
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved >= {n for n in before if before[n].dim() > 1} and moved
 
 
 def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_eager):

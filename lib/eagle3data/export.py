@@ -16,6 +16,7 @@ written beside every format.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ from .vocab import (DraftVocab, VocabError, build_draft_vocab, coverage_curve, l
 
 Format = Literal["specforge", "speculators"]
 FORMATS: tuple[str, ...] = ("specforge", "speculators")
-META_FIELDS = ("dataset", "sample_id", "source", "ids_exact", "finish_reason")
+META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")
 
 
 class ExportError(RunFileError):
@@ -40,10 +41,8 @@ class ExportError(RunFileError):
 
 
 def token_record(s: Sample) -> dict[str, Any]:
-    """The token-level line of a sample: id, metadata (sample_id as journaled), input_ids, loss_mask."""
+    """The token-level line of a sample: id (its key), the row it is made from, input_ids, loss_mask."""
     meta = {k: getattr(s, k) for k in META_FIELDS}
-    if s.record is not None:
-        meta["sample_id"] = s.record["sample_id"]
     return {"id": str(s.key), **meta, "input_ids": s.input_ids, "loss_mask": s.loss_mask}
 
 
@@ -112,8 +111,7 @@ def select_samples(params: Any) -> Selection:
         if rec is None:
             raise ExportError(f"{hdir / MIX_FILE}: sample {s.key} is not among the run's records: the mix is stale, "
                               "rebuild it (run 04 again)")
-        samples.append(Sample(s.dataset, s.sample_id, s.source, s.ids_exact, rec.get("finish_reason"), s.input_ids,
-                              s.loss_mask, rec))
+        samples.append(dataclasses.replace(s, finish_reason=rec.get("finish_reason"), record=rec))
     man = mix.manifest
     return Selection(samples=samples, skipped=list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
                      include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where)
@@ -124,12 +122,12 @@ def _check_index(hdir: Path, mix: Any) -> None:
     import pyarrow.parquet as pq
 
     from .hidden import INDEX_FILE
+    from .store import index_keys
 
     path = hdir / INDEX_FILE
     if not path.exists():
         return
-    t = pq.read_table(path, columns=["dataset", "sample_id"]).to_pydict()
-    stored = [str(SampleKey(str(d), str(s))) for d, s in zip(t["dataset"], t["sample_id"])]
+    stored = [str(k) for k in index_keys(pq.read_table(path).to_pandas())]
     want = [str(s.key) for s in mix.samples]
     if stored != want:
         first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))
@@ -160,7 +158,7 @@ def conversation(rec: dict[str, Any]) -> dict[str, Any]:
     if rec.get("tool_calls"):
         reply["tool_calls"] = rec["tool_calls"]
     turns.append(reply)
-    out: dict[str, Any] = {"id": f"{rec['dataset']}/{rec['sample_id']}", "conversations": turns}
+    out: dict[str, Any] = {"id": str(SampleKey.of(rec)), "conversations": turns}
     if rec.get("tools"):
         out["tools"] = rec["tools"]
     return out
@@ -186,6 +184,7 @@ def _write_parquet(path: Path, samples: list[Sample]) -> None:
         "id": pa.array([str(s.key) for s in samples], pa.string()),
         "dataset": pa.array([s.dataset for s in samples], pa.string()),
         "sample_id": pa.array([str(s.sample_id) for s in samples], pa.string()),
+        "turn": pa.array([s.turn for s in samples], pa.int32()),
         "source": pa.array([s.source for s in samples], pa.string()),
         "ids_exact": pa.array([s.ids_exact for s in samples], pa.bool_()),
         "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
@@ -217,7 +216,7 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
         _write_jsonl(out / "conversations.jsonl", (conversation(s.record) for s in sel.samples))
         files["conversations.jsonl"] = "SpecForge conversations (id, conversations[role, content, reasoning_content], tools): text, re-templated by the trainer"
         _write_jsonl(out / "token_ids.jsonl", (token_record(s) for s in sel.samples))
-        files["token_ids.jsonl"] = "token-level records (id, dataset, sample_id, source, ids_exact, finish_reason, input_ids, loss_mask): exact ids"
+        files["token_ids.jsonl"] = "token-level records (id, dataset, sample_id, turn, source, ids_exact, finish_reason, input_ids, loss_mask): exact ids"
         torch.save({"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
                    out / "vocab_mapping.pt")
         files["vocab_mapping.pt"] = "torch dict {d2t, t2d}: SpecForge's vocab mapping file"
@@ -256,7 +255,7 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
         "files": files,
         "handoff": handoff if isinstance(handoff, str) else {k: handoff[k] for k in (
             "plan", "linked_files", "converted_files", "converted_bytes", "rows", "final_state", "store_layout",
-            "files")},
+            "files", "specforge_target") if k in handoff},
     }
     (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
@@ -326,10 +325,15 @@ class ExportResult:
 
 
 def _bytes(folder: Path, pattern: str) -> int:
-    """Bytes of the files a manifest entry names (a file, a folder `x/`, or a glob such as `data-*.arrow`)."""
+    """Bytes of the files a manifest entry names (a file, a folder `x/`, or a glob such as `data-*.arrow`).
+
+    A symlink counts nothing (SpecForge's `target/` links to the model's files: no copy)."""
     out = 0
     for p in folder.glob(pattern.rstrip("/")):
-        out += sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+        if p.is_symlink():
+            continue
+        out += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink()) if p.is_dir() \
+            else p.stat().st_size
     return out
 
 

@@ -9,7 +9,10 @@ Layouts (checked against the released code: SpecForge 0.2.0, speculators 0.9.0):
   `loss_mask` (int64 [n]), `hidden_state` [1, n, H] (the **post-norm** final state: its
   target head is a bare `lm_head`) and `aux_hidden_state` [1, n, 3H]; `vocab_mapping.pt`
   `{d2t int64, t2d bool}` for `model.vocab_mapping_path`; `specforge.yaml`, a config for
-  `specforge train`.
+  `specforge train` whose target head SpecForge loads itself (`specforge_target`: the model
+  folder, or `target/` beside it when the folder has no weight index; the head's key, the
+  embedding's when the model ties them), and `draft_config.json` when the draft vocabulary is
+  not SpecForge's generated 32000.
 - **speculators** (`--data-path` of `speculators train`; read by
   `speculators.train.data.ArrowDataset(datapath=…)`): a `datasets` `save_to_disk` folder with
   `input_ids`, `loss_mask`, `seq_len` in torch format, `hidden_states/hs_<row>.safetensors`
@@ -49,6 +52,10 @@ NEEDS = {"specforge": "post_norm", "speculators": "pre_norm"}
 FEATURES = "features"  # SpecForge's per-sample files, under the hand-off folder
 HS_DIR = "hidden_states"  # speculators' per-sample files, under the dataset folder
 MANIFEST = "handoff.json"
+SPECFORGE_TARGET = "target"  # the model folder as SpecForge reads it, when the folder itself has no weight index
+SPECFORGE_DRAFT_CONFIG = "draft_config.json"
+SPECFORGE_DRAFT_VOCAB = 32000  # draft_vocab_size of the EAGLE-3 draft config SpecForge 0.2.0 generates
+HEAD_KEY, EMBED_KEY = "lm_head.weight", "model.embed_tokens.weight"  # SpecForge's defaults for both keys
 
 
 class HandoffError(RuntimeError):
@@ -79,11 +86,6 @@ class HandoffPlan:
                 "fits": self.fits, "reason": self.reason}
 
 
-def _key(dataset: Any, sample_id: Any) -> str:
-    """The one key of a sample (`reader.SampleKey`), as the hidden index names it."""
-    return str(SampleKey(str(dataset), str(sample_id)))
-
-
 def _same_fs(a: Path, b: Path) -> bool:
     def dev(p: Path) -> int:
         while not p.exists():
@@ -110,7 +112,7 @@ def plan_handoff(reader: HiddenReader, fmt: str, samples: Sequence[Any], out_dir
     if NEEDS[fmt] not in reader.states:
         raise HandoffError(f"{reader.dir}: 04 stored {list(reader.states)}; {fmt} needs the {NEEDS[fmt]} final state. "
                            f"Rerun 04 with hidden.final_state {NEEDS[fmt]!r} or 'both'")
-    rows = [reader._rows.get(_key(s.dataset, s.sample_id)) for s in samples]
+    rows = [reader._rows.get(str(s.key)) for s in samples]
     idx = [r for r in rows if r is not None]
     tokens = int(reader.index["length"].iloc[idx].sum()) if idx else 0
     per = int(info.get("bytes_per_token") or 0)
@@ -189,9 +191,9 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
                            f"(x{plan.margin} margin) but {plan.free_bytes / 1e9:.2f} GB are free. {plan.reason}")
     rows: list[int] = []
     for s in samples:
-        r = reader._rows.get(_key(s.dataset, s.sample_id))
+        r = reader._rows.get(str(s.key))
         if r is None:
-            raise HandoffError(f"{_key(s.dataset, s.sample_id)}: not in 04's index at {hdir / 'index.parquet'} "
+            raise HandoffError(f"{str(s.key)}: not in 04's index at {hdir / 'index.parquet'} "
                                "(run 04 on this mix first)")
         rows.append(r)
     if vocab is None:
@@ -213,14 +215,14 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
             ids, mask = _stored_ids(reader, r)
             if ids != list(s.input_ids) or mask != list(s.loss_mask):
                 raise HandoffError(f"{reader.path(r)}: stored input_ids/loss_mask differ from the mix sample "
-                                   f"{_key(s.dataset, s.sample_id)}: rerun 04 on this mix")
+                                   f"{str(s.key)}: rerun 04 on this mix")
             _link(reader.path(r), dst)
             linked += 1
         else:
             smp = reader.sample(r)
             if smp["input_ids"].tolist() != list(s.input_ids) or smp["loss_mask"].tolist() != list(s.loss_mask):
                 raise HandoffError(f"{reader.path(r)}: stored input_ids/loss_mask differ from the mix sample "
-                                   f"{_key(s.dataset, s.sample_id)}: rerun 04 on this mix")
+                                   f"{str(s.key)}: rerun 04 on this mix")
             written += write_sample_file(dst, fmt, s.input_ids, s.loss_mask, smp["hidden_states"], names,
                                          keep_extra=False)
             converted += 1
@@ -238,8 +240,15 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
         files["vocab_mapping.pt"] = "{d2t int64 (target = draft + d2t), t2d bool}: model.vocab_mapping_path"
         files[FEATURES + "/"] = ("one torch file per row: input_ids, loss_mask int64 [n], hidden_state [1,n,H] "
                                  "post-norm, aux_hidden_state [1,n,3H]: data.hidden_states_path")
-        _write_specforge_config(params, out, max(len(s.input_ids) for s in samples) if samples else 1)
+        target = _write_specforge_config(params, out, max(len(s.input_ids) for s in samples) if samples else 1,
+                                         int(len(d2t)))
         files["specforge.yaml"] = "a config for `specforge train -c specforge.yaml` (edit training settings)"
+        if target.get("view"):
+            files[SPECFORGE_TARGET + "/"] = (f"links to the target's files plus {target['index']} (SpecForge's "
+                                             "TargetHead reads weights only through an index): model.target_model_path")
+        if target.get("draft_config"):
+            files[SPECFORGE_DRAFT_CONFIG] = (f"EAGLE-3 draft config, draft_vocab_size {len(d2t)} (SpecForge generates "
+                                             f"{SPECFORGE_DRAFT_VOCAB}): model.draft_model_config")
     else:
         _write_speculators_dataset(samples, out)
         n = len(d2t)
@@ -252,10 +261,12 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
     manifest = {
         "format": fmt, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "hidden_dir": str(hdir),
         "plan": plan.as_dict(), **stat, "rows": len(rows), "tokens": plan.tokens,
-        "keys": [_key(s.dataset, s.sample_id) for s in samples],
+        "keys": [str(s.key) for s in samples],
         "final_state": NEEDS[fmt], "store_states": list(names), "store_layout": reader.layout,
         "draft_vocab_size": int(len(d2t)), "files": files, "seconds": round(time.perf_counter() - t0, 3),
     }
+    if fmt == "specforge":
+        manifest["specforge_target"] = target
     (out / MANIFEST).write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
 
@@ -273,28 +284,200 @@ def _write_speculators_dataset(samples: Sequence[Any], out: Path) -> None:
     ds.with_format("torch").save_to_disk(str(out))
 
 
-def _write_specforge_config(params: Any, out: Path, longest: int) -> None:
-    """`specforge.yaml`: offline EAGLE-3 training on these features with this vocabulary (SpecForge 0.2.0 schema)."""
+def _write_specforge_config(params: Any, out: Path, longest: int, draft_vocab_size: int) -> dict[str, Any]:
+    """`specforge.yaml`: offline EAGLE-3 training on these features with this vocabulary (SpecForge 0.2.0 schema).
+
+    Returns what the config says about the target (`specforge_target` in the manifest).
+    """
     import yaml
 
     from .models import resolve_model_path
 
     try:
-        target = str(resolve_model_path(params.model.path))
+        model_dir: Path | None = resolve_model_path(params.model.path)
     except Exception:  # noqa: BLE001 - a model folder only the GPU machine has
-        target = params.model.path
+        model_dir = None
+    trust = bool(params.model.trust_remote_code)
+    if model_dir is None:
+        target: dict[str, Any] = {
+            "model_dir": params.model.path, "target_model_path": params.model.path, "view": False,
+            "lm_head_key": HEAD_KEY, "embedding_key": EMBED_KEY, "tied": None,
+            "note": "the model folder is not on this machine: SpecForge's defaults kept, unchecked (the folder needs "
+                    "a *.index.json naming lm_head_key; a tied model needs lm_head_key model.embed_tokens.weight)"}
+        _clear(out / SPECFORGE_TARGET)
+    else:
+        target = specforge_target(model_dir, out / SPECFORGE_TARGET)
+    draft = out / SPECFORGE_DRAFT_CONFIG
+    target["draft_config"] = None
+    draft.unlink(missing_ok=True)
+    if draft_vocab_size != SPECFORGE_DRAFT_VOCAB and model_dir is not None:
+        payload = specforge_draft_config(model_dir, draft_vocab_size, trust_remote_code=trust)
+        draft.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+        target["draft_config"] = str(draft.resolve())
+    elif draft_vocab_size != SPECFORGE_DRAFT_VOCAB:
+        target["note"] += (f"; no draft config written: SpecForge generates draft_vocab_size {SPECFORGE_DRAFT_VOCAB}, "
+                           f"this vocabulary has {draft_vocab_size} (set model.draft_model_config)")
+    model: dict[str, Any] = {"target_model_path": target["target_model_path"]}
+    if target["draft_config"]:
+        model["draft_model_config"] = target["draft_config"]
+    model.update({"embedding_key": target["embedding_key"], "lm_head_key": target["lm_head_key"],
+                  "vocab_mapping_path": str((out / "vocab_mapping.pt").resolve()), "trust_remote_code": trust})
     cfg = {
-        "model": {"target_model_path": target, "vocab_mapping_path": str((out / "vocab_mapping.pt").resolve()),
-                  "trust_remote_code": bool(params.model.trust_remote_code)},
+        "model": model,
         "data": {"hidden_states_path": str((out / FEATURES).resolve()), "max_length": int(longest)},
         "training": {"strategy": "eagle3"},
         "output_dir": str((out / "train_output").resolve()),
     }
     (out / "specforge.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return target
+
+
+def _clear(path: Path) -> None:
+    """Remove a folder this hand-off made (links and an index: never what the links point at)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _weight_names(path: Path) -> list[str]:
+    """Tensor names of one checkpoint file, read from its header (safetensors) or memory-mapped (torch)."""
+    if path.name.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    import torch
+
+    return list(torch.load(str(path), map_location="cpu", mmap=True, weights_only=True))
+
+
+def _pick(names: Iterable[str], default: str, suffix: str) -> str | None:
+    """`default` if the checkpoint names it, else its one tensor ending in `suffix` (a prefixed multimodal name)."""
+    names = list(names)
+    if default in names:
+        return default
+    hits = [n for n in names if n.endswith("." + suffix)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def specforge_target(model_dir: str | Path, view_dir: str | Path) -> dict[str, Any]:
+    """The folder `model.target_model_path` names and the head/embedding keys, as SpecForge 0.2.0 loads them.
+
+    SpecForge's offline EAGLE-3 builds `TargetHead.from_pretrained(target_model_path,
+    lm_head_key=...)`, which reads the head only through the folder's one `*.index.json`
+    weight map (`specforge/modeling/target/target_head.py`): a single-file checkpoint (one
+    `model.safetensors`, as `prepare-model` and most small models ship) has none. The same
+    path also gives SpecForge the target config (`AutoConfig`: hidden and vocabulary sizes, the
+    generated draft config), the tokenizer when it needs one, the draft's frozen embedding
+    (`load_embedding(path, embedding_key)`) and its resume provenance, so it must stay the
+    whole model folder. With exactly one index, that folder is used as it is. Otherwise
+    (none, or several, which SpecForge refuses) `view_dir` becomes that folder without being a
+    copy: a symlink to every entry of the model folder except its indexes, plus one index whose
+    weight map names every tensor of the checkpoint. The model folder itself is never written
+    (a hub cache or a shared read-only folder). A model that ties its head to the embeddings
+    stores no `lm_head.weight`: `lm_head_key` is then the embedding's key, the matrix the
+    model multiplies by.
+    """
+    model_dir, view_dir = Path(model_dir), Path(view_dir)
+    indexes = sorted(model_dir.glob("*.index.json"))
+    config_file = model_dir / "config.json"
+    config = orjson.loads(config_file.read_bytes()) if config_file.exists() else {}
+    text = config.get("text_config") or config
+    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings"))
+    view = len(indexes) != 1
+    if not view:
+        index_name = indexes[0].name
+        weight_map = orjson.loads(indexes[0].read_bytes())["weight_map"]
+        _clear(view_dir)
+    else:
+        named = {p.name: p for p in indexes}
+        kinds = [(".safetensors", "model.safetensors.index.json"), (".bin", "pytorch_model.bin.index.json")]
+        ext, index_name = next(((e, n) for e, n in kinds if any(model_dir.glob("*" + e)) or n in named), kinds[0])
+        if index_name in named:  # several indexes: keep the one of the weights SpecForge reads first
+            weight_map = orjson.loads(named[index_name].read_bytes())["weight_map"]
+        else:
+            files = sorted(p for p in model_dir.glob("*" + ext) if p.is_file())
+            if not files:
+                raise HandoffError(f"{model_dir}: no *.safetensors or *.bin weights: SpecForge cannot load the "
+                                   "target head (point model.path at the model folder)")
+            weight_map = {name: f.name for f in files for name in _weight_names(f)}
+        tmp = view_dir.with_name(view_dir.name + ".tmp")
+        _clear(tmp)
+        tmp.mkdir(parents=True)
+        for entry in sorted(model_dir.iterdir()):
+            if not entry.name.endswith(".index.json"):
+                os.symlink(os.path.abspath(entry), tmp / entry.name)
+        (tmp / index_name).write_bytes(orjson.dumps({"metadata": {"written_by": "eagle3data handoff"},
+                                                     "weight_map": weight_map}, option=orjson.OPT_INDENT_2))
+        _clear(view_dir)
+        tmp.rename(view_dir)
+    embed = _pick(weight_map, EMBED_KEY, "embed_tokens.weight") or EMBED_KEY
+    head = _pick(weight_map, HEAD_KEY, HEAD_KEY)
+    tied = head is None
+    if tied:
+        if tie is False:
+            raise HandoffError(f"{model_dir}: the checkpoint has no {HEAD_KEY} and config.json says "
+                               "tie_word_embeddings false: SpecForge cannot load the target head")
+        if embed not in weight_map:
+            raise HandoffError(f"{model_dir}: neither {HEAD_KEY} nor an embedding (*embed_tokens.weight) in the "
+                               "checkpoint: SpecForge cannot load the target head")
+        head = embed
+    return {"model_dir": str(model_dir), "target_model_path": str((view_dir if view else model_dir).resolve()),
+            "view": view, "index": index_name, "lm_head_key": head, "embedding_key": embed, "tied": tied,
+            "tie_word_embeddings": tie}
+
+
+# what SpecForge 0.2.0 copies from the target config into the EAGLE-3 draft config it generates
+# (specforge/training/model_loading.py: _TARGET_ARCHITECTURE_FIELDS, _generate_draft_config)
+_DRAFT_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "max_position_embeddings", "rms_norm_eps", "hidden_act", "initializer_range", "attention_bias",
+                 "attention_dropout", "head_dim", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id",
+                 "pad_token_id", "sliding_window", "use_sliding_window", "max_window_layers")
+
+
+def specforge_draft_config(model_dir: str | Path, draft_vocab_size: int, *, trust_remote_code: bool = False
+                           ) -> dict[str, Any]:
+    """The EAGLE-3 draft config SpecForge 0.2.0 generates from the target, with this draft vocabulary size.
+
+    SpecForge generates the draft config with `draft_vocab_size` 32000 and no setting to change
+    it: a vocabulary mapping of another size then fails to load into the draft
+    (`load_vocab_mapping`: size mismatch). The export writes SpecForge's own generated config
+    with our size instead, for `model.draft_model_config`.
+    """
+    from .models import _quiet_transformers
+
+    _quiet_transformers()
+    try:
+        from transformers import AutoConfig
+
+        config: Any = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        text = getattr(config, "text_config", config)
+        get = lambda f: getattr(text, f, None)  # noqa: E731
+    except (OSError, ValueError, KeyError):  # as SpecForge: the raw config.json
+        raw = orjson.loads((Path(model_dir) / "config.json").read_bytes())
+        raw = raw.get("text_config") or raw
+        get = raw.get
+    import torch
+
+    payload: dict[str, Any] = {}
+    for f in _DRAFT_FIELDS:
+        v = get(f)
+        if v is not None:
+            payload[f] = str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v
+    payload["vocab_size"] = int(get("padded_vocab_size") or get("vocab_size"))
+    payload.update({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                    "tie_word_embeddings": False, "use_cache": True})
+    if payload.get("pad_token_id") is None:
+        payload["pad_token_id"] = 0
+    payload["draft_vocab_size"] = int(draft_vocab_size)
+    return payload
 
 
 def disk_table(hidden: str | Path, out_dirs: dict[str, str | Path]):
-    """Bytes on disk of hidden/ and of each hand-off folder, counting hardlinked files once (du-like)."""
+    """Bytes on disk of hidden/ and of each hand-off folder, counting hardlinked files once (du-like).
+
+    Symlinks count nothing: SpecForge's `target/` links to the model's files, which are not the hand-off's."""
     import pandas as pd
 
     seen: set[tuple[int, int]] = set()
@@ -302,7 +485,7 @@ def disk_table(hidden: str | Path, out_dirs: dict[str, str | Path]):
     def usage(root: Path) -> tuple[int, int]:
         new = total = 0
         for p in sorted(Path(root).rglob("*")):
-            if not p.is_file():
+            if p.is_symlink() or not p.is_file():
                 continue
             st = p.stat()
             total += st.st_size
@@ -322,4 +505,5 @@ def disk_table(hidden: str | Path, out_dirs: dict[str, str | Path]):
     return df
 
 
-__all__ = ["FORMATS", "HandoffError", "HandoffPlan", "disk_table", "draft_vocab_for", "plan_handoff", "write_handoff"]
+__all__ = ["FORMATS", "HandoffError", "HandoffPlan", "disk_table", "draft_vocab_for", "plan_handoff",
+           "specforge_draft_config", "specforge_target", "write_handoff"]
