@@ -147,8 +147,10 @@ def test_headless_generate_exits_non_zero_with_one_line_for_an_unusable_dataset(
                            "-p", "datasets", json.dumps([{"name": "bad", "path": str(bad)}])],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"dataset bad: no usable prompt in {bad}" in proc.stderr and "Traceback" not in proc.stderr
-    assert f"{bad}:1: not valid JSON: the line is cut off" in proc.stdout  # 01 printed the reasons
+    lines = proc.stderr.strip().splitlines()  # the preflight reads the first rows: caught before any work
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"error: datasets.0 (bad, format prompts): {bad}: its one row is rejected as format "
+                               f"`prompts` (first: {bad}:1: not valid JSON: the line is cut off"), lines[0]
     assert not (tmp_path / "out" / "ci" / "records" / "bad.jsonl").exists()
 
 

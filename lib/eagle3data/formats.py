@@ -82,6 +82,27 @@ def guess_formats(keys: set[str]) -> list[str]:
     return [f.name for f in FORMATS.values() if f.name != "prompts" and f.missing_fields(keys) is None]
 
 
+def accepting_formats(rows: list[dict[str, Any]], *, exclude: str | None = None, most: int = 3,
+                      reads: Callable[[DatasetFormat, dict[str, Any]], Any] | None = None) -> list[str]:
+    """Registered formats that read these rows (for a "looks like format X" hint): the formats that read
+    the most rows first, then those whose id field every row has, then registry order; at most `most`.
+    `reads(format, row)` raises RowError for a row the format cannot use (default: its normalizer)."""
+    ranked = []
+    for order, f in enumerate(FORMATS.values()):
+        if f.name == exclude:
+            continue
+        ok = 0
+        for row in rows:
+            try:
+                (reads or (lambda fmt, r: fmt.normalize(r)))(f, row)
+                ok += 1
+            except (ValueError, TypeError, AttributeError, KeyError):  # RowError, or a shape it never expected
+                continue
+        if ok:
+            ranked.append((-ok, not (f.id_field and all(f.id_field in r for r in rows)), order, f.name))
+    return [name for *_, name in sorted(ranked)[:most]]
+
+
 # ---------------------------------------------------------------- shared pieces
 
 

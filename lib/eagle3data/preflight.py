@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .models import EMBEDDED_PREFIX, TOKENIZER_SOURCES, _load_plugins
+from .params import ParamsError
+from .prompts import check_dataset_files
+
 
 def _not_a_folder(path: str) -> bool:
     """True for `embedded:NAME` and registered tokenizer sources (`models.TOKENIZER_SOURCES`), which are no folders."""
-    from .models import EMBEDDED_PREFIX, TOKENIZER_SOURCES, _load_plugins
-
     if path.startswith(EMBEDDED_PREFIX):
         return True
     if ":" in path and not Path(path).exists():
@@ -23,8 +25,10 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
     """What stops the stages from running at all, each as one line naming the key or variable.
 
     Checked before any work: the model and tokenizer folders (for the stages that load them),
-    every prompt file for 01 (readable by its format), and, for the `openai` backend in 01, the
-    environment variable that holds the API key.
+    every prompt dataset for 01 (`prompts.check_dataset_files`: UTF-8 JSON text or what its name
+    says, a `.json` array not cut off, its first rows of its format and not all rejected, a
+    folder's config picked; every bad dataset named, one line each), and, for the `openai`
+    backend in 01, the environment variable that holds the API key.
     """
     problems: list[str] = []
     m = params.model
@@ -37,9 +41,6 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
             what = "tokenizer" if key.endswith("tokenizer_path") or not needs_model else "model"
             problems.append(f"{key}: {what} folder not found: {path}")
     if "01_generate" in stages:  # a prompt file that cannot be read by its format: one line each, before any notebook
-        from .params import ParamsError
-        from .prompts import check_dataset_files
-
         try:
             check_dataset_files(params)
         except ParamsError as e:

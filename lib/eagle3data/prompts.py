@@ -7,11 +7,14 @@ row, the dataset's own replies included) and `meta` (card fields kept, and
 `reference_reply`: the trailing assistant turn cut off for single-turn regeneration).
 `format: prompts` is this project's strict JSONL (`{"sample_id", "messages", "tools"?}`).
 
-Files: `.jsonl` and `.json` are read line by line (or element by element) here, so a bad row
-is named by `file:line` and never sinks the rest; `.parquet`, `.arrow`, a folder of shards
-(or a downloaded dataset repository) and `hf:NAME` go through the HF `datasets` library
-(streamed, rows named `file row N`). The loader rejects a bad row with its location and
-reason, keeps going, drops exact-duplicate prompts (counted), and reports what it skipped.
+Files (`promptfiles.py` reads them): `.jsonl` and `.json` are read line by line (or element
+by element), so a bad row (a line that is not UTF-8 included) is named by `file:line` and never
+sinks the rest; a file in another encoding is refused in one line; `.parquet`, `.arrow`, a
+folder of shards (or a downloaded dataset repository) and `hf:NAME` go through the HF
+`datasets` library (streamed, rows named `file row N`). The loader rejects a bad row with its
+location and reason, keeps going, drops exact-duplicate prompts (counted), and reports what it
+skipped. `check_source` reads the first rows of each file before any work (wrong format, every
+row bad, several configs and no `subset`).
 Sample ids come from the row's id field where the format has one, else from a content hash
 of the prompt (never a line number: rows reorder between releases).
 
@@ -22,32 +25,27 @@ function-calling datasets do.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import orjson
 
-from .formats import ROLES, DatasetFormat, RowError, get_format, guess_formats
+from .formats import ROLES, DatasetFormat, RowError, accepting_formats, get_format, guess_formats
+from .params import ParamsError
 from .profiles import Profile
+from .promptfiles import (BUILTIN_PREFIX, COLUMNAR_SUFFIXES, HUB_PREFIX, TEXT_SUFFIXES, PromptDataError, Row,
+                          builtin_datasets, config_problem, data_files, iter_rows, resolve_prompt_path, sample_rows,
+                          sniff_file, text_file_problem, text_shards)
 
-BUILTIN_PREFIX = "builtin:"
-HUB_PREFIX = "hf:"
-TEXT_SUFFIXES = (".jsonl", ".json", ".ndjson")
-COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 __all__ = ["Prompt", "PromptSet", "Rejection", "PromptDataError", "load_prompts", "load_datasets",
-           "check_source", "ROLES"]
-
-
-class PromptDataError(ValueError):
-    """A prompt dataset cannot be used (missing, unreadable, nothing usable, too much rejected)."""
+           "check_source", "ROLES", "BUILTIN_PREFIX", "HUB_PREFIX", "TEXT_SUFFIXES", "COLUMNAR_SUFFIXES",
+           "builtin_datasets", "resolve_prompt_path", "iter_rows"]
 
 
 @dataclass
@@ -93,7 +91,7 @@ class Rejection:
         """The reason without its particulars (for counting rejections by reason)."""
         k = re.sub(r"\s*\([^()]*\)\s*$", "", self.reason)
         k = re.sub(r"'[^']*'|\"[^\"]*\"", "…", k)
-        return re.sub(r"\d+", "N", k)
+        return re.sub(r"(?<!UTF-)(?<!Windows-)(?<!\d)\d+", "N", k)
 
 
 @dataclass
@@ -145,229 +143,6 @@ class PromptSet:
         for r in self.rejected[:examples]:
             lines.append(f"  {r}")
         return lines
-
-
-def builtin_datasets() -> list[str]:
-    """Names of the prompt sets shipped with the package."""
-    root = resources.files("eagle3data") / "data" / "prompts"
-    return sorted(p.name[: -len(".jsonl")] for p in root.iterdir() if p.name.endswith(".jsonl"))
-
-
-def resolve_prompt_path(path: str) -> Path:
-    """`builtin:NAME` -> the shipped file; a relative path not found here -> under the repository root."""
-    if path.startswith(BUILTIN_PREFIX):
-        name = path[len(BUILTIN_PREFIX) :]
-        p = Path(str(resources.files("eagle3data") / "data" / "prompts" / f"{name}.jsonl"))
-        if not p.exists():
-            raise FileNotFoundError(f"no builtin prompt set {name!r}; known: {', '.join(builtin_datasets())}")
-        return p
-    p = Path(path).expanduser()
-    if not p.is_absolute() and not p.exists():
-        from .params import repo_root
-
-        alt = repo_root() / p
-        if alt.exists():
-            return alt
-    return p
-
-
-# ---------------------------------------------------------------- reading rows
-
-Row = tuple[str, str, "dict[str, Any] | RowError"]  # (location, short location, row or why not)
-
-
-def _json_error(e: json.JSONDecodeError, text: str) -> str:
-    """Why a JSON line does not parse; a line that ends inside a value "is cut off"."""
-    if e.msg.startswith("Unterminated string") or e.pos >= len(text.rstrip()):
-        return (f"not valid JSON: the line is cut off (it ends at column {len(text)} before the JSON value is "
-                "closed: a write stopped half-way, or the file was cut)")
-    if e.msg == "Extra data":
-        return f"not valid JSON: more than one JSON value on the line (column {e.colno}; a lost newline?)"
-    return f"not valid JSON ({e.msg} at column {e.colno})"
-
-
-def _iter_jsonl(p: Path) -> Iterator[Row]:
-    with open(p, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where, short = f"{p}:{lineno}", f"line {lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, short, RowError(f"not UTF-8 text (byte {e.start} of the line)")
-                continue
-            text = line.rstrip("\r\n")
-            if lineno == 1:
-                text = text.lstrip("\ufeff")
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield where, short, RowError(_json_error(e, text))
-                continue
-            yield where, short, obj if isinstance(obj, dict) else RowError("line is not a JSON object")
-
-
-def _iter_text(p: Path) -> Iterator[Row]:
-    """`.json`: a JSON array of rows (or JSON lines under a .json name); anything else: JSON lines."""
-    if p.suffix.lower() != ".json":
-        yield from _iter_jsonl(p)
-        return
-    try:
-        data = json.loads(p.read_bytes().decode("utf-8-sig"))
-    except UnicodeDecodeError as e:
-        raise PromptDataError(f"{p}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        if e.msg == "Extra data":  # one value per line: JSON lines under a .json name
-            yield from _iter_jsonl(p)
-            return
-        cut = " (the file is cut off)" if e.pos >= len(p.read_bytes().rstrip()) else ""
-        raise PromptDataError(f"{p}: not valid JSON{cut} ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if isinstance(data, dict):
-        data = [data]
-    if not isinstance(data, list):
-        raise PromptDataError(f"{p}: holds a JSON {type(data).__name__}, not a list of rows")
-    for i, obj in enumerate(data, start=1):
-        yield f"{p} row {i}", f"row {i}", obj if isinstance(obj, dict) else RowError("row is not a JSON object")
-
-
-def _iter_hf(source: str, label: str, *, builder: str | None = None, split: str | None = None,
-             subset: str | None = None) -> Iterator[Row]:
-    """Rows through the HF `datasets` library, streamed (nothing is copied into its cache)."""
-    try:
-        import datasets
-    except ImportError:
-        raise PromptDataError(f"{label}: reading it needs the `datasets` package (pip install datasets)") from None
-    try:
-        if builder:
-            ds = datasets.load_dataset(builder, data_files=source, split="train", streaming=True)
-        else:
-            ds = datasets.load_dataset(source, subset, split=split or "train", streaming=True)
-        for i, row in enumerate(ds, start=1):
-            yield f"{label} row {i}", f"row {i}", row
-    except PromptDataError:
-        raise
-    except Exception as e:  # datasets raises many kinds; one line naming the file is what a user needs
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise PromptDataError(f"{label}: cannot be read by the `datasets` library ({type(e).__name__}: {msg})") from None
-
-
-def _data_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES + COLUMNAR_SUFFIXES
-                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))
-
-
-def _sniff(p: Path) -> str:
-    """What the first bytes of a file say it is: parquet, arrow, gzip, zip, empty, text, or binary."""
-    with open(p, "rb") as f:
-        head = f.read(65536)
-    if not head:
-        return "empty"
-    if head[:4] == b"PAR1":
-        return "parquet"
-    if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":
-        return "arrow"
-    if head[:2] == b"\x1f\x8b":
-        return "gzip"
-    if head[:2] == b"PK":
-        return "zip"
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
-    except UnicodeDecodeError:
-        return "binary"
-    return "text"
-
-
-def _file_kind(p: Path) -> str:
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        return "parquet"
-    if suffix == ".arrow":
-        return "arrow"
-    if suffix in TEXT_SUFFIXES:
-        return "text"
-    sniff = _sniff(p)
-    return sniff if sniff in ("parquet", "arrow") else "text"
-
-
-def iter_rows(path: str, *, split: str | None = None, subset: str | None = None) -> Iterator[Row]:
-    """Every row of a prompt source as (location, short location, row or RowError)."""
-    if path.startswith(HUB_PREFIX):
-        yield from _iter_hf(path[len(HUB_PREFIX):], path, split=split, subset=subset)
-        return
-    p = resolve_prompt_path(path)
-    if not p.exists():
-        raise PromptDataError(f"prompt file not found: {p}")
-    if p.is_dir():
-        files = _data_files(p)
-        if split is None and subset is None and files and all(f.suffix.lower() in TEXT_SUFFIXES for f in files):
-            for f in files:
-                yield from _iter_text(f)
-        else:
-            yield from _iter_hf(str(p), str(p), split=split, subset=subset)
-        return
-    kind = _file_kind(p)
-    if kind in ("parquet", "arrow"):
-        yield from _iter_hf(str(p), str(p), builder=kind)
-    else:
-        yield from _iter_text(p)
-
-
-def check_source(path: str, format: str = "prompts", *, split: str | None = None,
-                 subset: str | None = None) -> str | None:
-    """Why a prompt source cannot be read by its format (one line naming the file), or None.
-
-    Cheap: it looks at the first bytes and the first rows (or the parquet schema), not the
-    whole file. `hf:` names are not checked here (they need the hub).
-    """
-    fmt = get_format(format)
-    if path.startswith(HUB_PREFIX):
-        return None
-    try:
-        p = resolve_prompt_path(path)
-    except FileNotFoundError as e:
-        return str(e)
-    if not p.exists():
-        return f"prompt file not found: {p}"
-    if p.is_dir():
-        files = _data_files(p)
-        if not files:
-            return f"{p}: the folder holds no .jsonl, .json, .parquet or .arrow files"
-        p = files[0]
-    sniff = _sniff(p)
-    suffix = p.suffix.lower()
-    if sniff == "empty":
-        return f"{p}: the file is empty (no rows)"
-    if suffix in TEXT_SUFFIXES and sniff != "text":
-        hint = f" (rename it to .{sniff})" if sniff in ("parquet", "arrow") else ""
-        return f"{p}: is a {sniff} file, not JSON text{hint}"
-    if suffix == ".parquet" and sniff != "parquet":
-        return f"{p}: is not a parquet file (no PAR1 magic; a {sniff} file?)"
-    if sniff in ("gzip", "zip", "binary") and suffix not in COLUMNAR_SUFFIXES:
-        return f"{p}: is a {sniff} file; prompt files are .jsonl, .json, .parquet or .arrow"
-    keys: list[set[str]] = []
-    try:
-        if sniff == "parquet":
-            import pyarrow.parquet as pq
-
-            keys.append(set(pq.read_schema(p).names))
-        elif sniff == "text" and suffix != ".json":
-            with open(p, "rb") as f:
-                for _, raw in zip(range(20), f):
-                    try:
-                        obj = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
-                    except (UnicodeDecodeError, json.JSONDecodeError):
-                        continue
-                    if isinstance(obj, dict):
-                        keys.append(set(obj))
-    except Exception as e:
-        return f"{p}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if keys and all(fmt.missing_fields(k) for k in keys):
-        miss = fmt.missing_fields(keys[0])
-        guess = guess_formats(keys[0])
-        hint = f"; it looks like format {' or '.join(guess)}" if guess else ""
-        return f"{p}: the first rows are not format `{fmt.name}`: {miss}{hint}"
-    return None
 
 
 # ---------------------------------------------------------------- rows -> prompts
@@ -459,6 +234,104 @@ def load_datasets(params: Any) -> dict[str, PromptSet]:
     return sets
 
 
+# ---------------------------------------------------------------- checking a source before any work
+
+
+def _looks_like(fmt: DatasetFormat, rows: list[dict[str, Any]]) -> list[str]:
+    """Other registered formats that make prompts of these rows."""
+    return accepting_formats(rows, exclude=fmt.name, reads=lambda f, r: row_to_prompt(f, r, ""))
+
+
+def _rows_problem(p: Path, fmt: DatasetFormat, rows: list[Row], whole: bool, all_bad: bool) -> str | None:
+    """Why the first rows of a file say it cannot be read as `fmt`: none has the format's fields (a wrong
+    format), or (`all_bad`) none makes a prompt; with the formats the rows look like."""
+    dicts = [r for _, _, r in rows if isinstance(r, dict)]
+    if dicts and all(fmt.missing_fields(set(r)) for r in dicts):
+        guess = _looks_like(fmt, dicts) or guess_formats(set(dicts[0]))
+        hint = f"; it looks like format {' or '.join(guess)}" if guess else ""
+        return f"{p}: the first rows are not format `{fmt.name}`: {fmt.missing_fields(set(dicts[0]))}{hint}"
+    if not all_bad:
+        return None
+    if not rows:
+        return f"{p}: holds no rows (only blank lines, or an empty array)" if whole else None
+    first = None
+    for where, _, row in rows:
+        if isinstance(row, RowError):
+            first = first or f"{where}: {row}"
+            continue
+        try:
+            row_to_prompt(fmt, row, "")
+            return None
+        except RowError as e:
+            first = first or f"{where}: {e}"
+    guess = _looks_like(fmt, dicts) if dicts else []
+    hint = f"; it looks like format {' or '.join(guess)}" if guess else ""
+    scope = "its one row is" if len(rows) == 1 and whole else f"all {len(rows)} rows are" if whole \
+        else f"the first {len(rows)} rows are all"
+    return f"{p}: {scope} rejected as format `{fmt.name}` (first: {first}){hint}"
+
+
+def _file_problem(p: Path, fmt: DatasetFormat, all_bad: bool) -> str | None:
+    sniff = sniff_file(p)
+    suffix = p.suffix.lower()
+    if sniff == "empty":
+        return f"{p}: the file is empty (no rows)"
+    if suffix == ".parquet" and sniff != "parquet":
+        return f"{p}: is not a parquet file (no PAR1 magic; a {sniff} file?)"
+    if suffix in COLUMNAR_SUFFIXES or (sniff in ("parquet", "arrow") and suffix not in TEXT_SUFFIXES):
+        if sniff != "parquet":
+            return None
+        try:
+            import pyarrow.parquet as pq
+
+            keys = set(pq.read_schema(p).names)
+        except Exception as e:
+            return f"{p}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        if fmt.missing_fields(keys):
+            guess = guess_formats(keys)
+            hint = f"; it looks like format {' or '.join(guess)}" if guess else ""
+            return f"{p}: the first rows are not format `{fmt.name}`: {fmt.missing_fields(keys)}{hint}"
+        return None
+    why = text_file_problem(p, sniff)
+    if why:
+        return why
+    return _rows_problem(p, fmt, *sample_rows([p]), all_bad)
+
+
+def check_source(path: str, format: str = "prompts", *, split: str | None = None, subset: str | None = None,
+                 all_bad: bool = True) -> str | None:
+    """Why a prompt source cannot be read by its format (one line naming the file), or None.
+
+    Bounded: it sniffs the first bytes of each file and reads the first rows of JSON text (up to
+    `promptfiles.SAMPLE_ROWS` rows, about 1 MiB a file; a `.json` array's last bytes too), or
+    a parquet schema: a file in another encoding, a `.json` array cut off, rows that are all of
+    another format and (`all_bad`) rows none of which makes a prompt are named before any
+    work; a dataset folder with several configs and no `subset` lists its configs. `hf:`
+    names are not checked here (they need the hub).
+    """
+    fmt = get_format(format)
+    if path.startswith(HUB_PREFIX):
+        return None
+    try:
+        p = resolve_prompt_path(path)
+    except FileNotFoundError as e:
+        return str(e)
+    if not p.exists():
+        return f"prompt file not found: {p}"
+    try:
+        if not p.is_dir():
+            return _file_problem(p, fmt, all_bad)
+        files = data_files(p)
+        if not files:
+            return f"{p}: the folder holds no .jsonl, .json, .parquet or .arrow files"
+        shards = text_shards(p, split, subset)
+        if shards:
+            return _rows_problem(p, fmt, *sample_rows(shards), all_bad)
+        return config_problem(p, subset) or _file_problem(files[0], fmt, all_bad)
+    except PromptDataError as e:
+        return str(e)
+
+
 def tools_as_system_text(tools: list[dict[str, Any]]) -> str:
     """Tool definitions as glaive-style system-prompt text, for templates without tools."""
     lines = ["You have access to the following functions. To call one, answer with JSON "
@@ -545,7 +418,7 @@ def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str
     except KeyError as e:
         print(e.args[0])
         return 2
-    why = check_source(path, format, split=split, subset=subset)
+    why = check_source(path, format, split=split, subset=subset, all_bad=False)  # all-bad rows: listed below
     if why:
         print(f"error: {why}")
         return 2
@@ -590,13 +463,12 @@ def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str
 
 
 def check_dataset_files(params: Any) -> None:
-    """Every prompt file exists and is readable by its format; else ParamsError, one line per file.
+    """Every prompt dataset exists and its first rows read as its format (`check_source`, bounded);
+    else ParamsError naming every bad dataset at once, one line each.
 
     Run before any work starts (01 calls it first). Not part of `load_params`: a params file
     is valid on a machine that does not hold its datasets.
     """
-    from .params import ParamsError
-
     bad = []
     for i, d in enumerate(params.datasets):
         why = check_source(d.path, d.format, split=d.split, subset=d.subset)
