@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import orjson
 
 from eagle3data.profiles import SMOLLM2, Token, ToolCallTokens
 from eagle3data.provider_tokens import fast_backend, mapper_for
 from eagle3data.reader import SampleKey
+from eagle3data.records import read_records
 
 # A reasoning stand-in on the SmolLM2 vocabulary (ids of its unused added tokens), so the
 # reasoning, guard and Kimi-style tool-call paths run on a second real vocabulary.
@@ -87,3 +88,9 @@ def logprob_entries(ids: Sequence[int], tokenizer: Any, *, with_bytes: bool = Tr
         out.append({"token": raw.decode("utf-8", "replace"), "logprob": -0.1,
                     "bytes": list(raw) if with_bytes else None, "top_logprobs": []})
     return out
+
+
+def iter_run_records(run_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of every dataset journal of a run, in file order."""
+    for p in sorted((Path(run_dir) / "records").glob("*.jsonl")):
+        yield from read_records(p)

@@ -185,7 +185,7 @@ def test_dataset_by_name_override_and_debug_traceback(tmp_path):
 
 
 def test_headless_generate_missing_model_folder_is_one_line(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "eagle3data.generate", "params/ci.yaml", "-p", "model.path",
+    res = subprocess.run([sys.executable, "-m", "eagle3data", "generate", "params/ci.yaml", "-p", "model.path",
                           "/nonexistent/model", "-p", "output_root", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr

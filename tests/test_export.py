@@ -27,7 +27,7 @@ from eagle3data.export import (
     select_samples,
 )
 from eagle3data.vocab import VocabError
-from eagle3data.records import iter_run_records
+from runfiles import iter_run_records
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 49152  # SmolLM2

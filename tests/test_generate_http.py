@@ -362,7 +362,7 @@ def test_runs_inside_a_running_event_loop(tmp_path, smollm2_tokenizer):
 
 
 def _spawn(params_file: Path, overrides: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "eagle3data.generate", str(params_file), "--quiet"]
+    cmd = [sys.executable, "-m", "eagle3data", "generate", str(params_file), "--quiet"]
     for k, v in overrides.items():
         cmd += ["-p", k, orjson.dumps(v).decode() if not isinstance(v, str) else v]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -201,7 +201,7 @@ def test_token_budget_holds(tmp_path, smollm2_tokenizer):
 # -- kill, resume, stop ---------------------------------------------------------------------------
 
 def _spawn(o: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "eagle3data.generate", str(REPO / "params" / "ci.yaml"), "--quiet"]
+    cmd = [sys.executable, "-m", "eagle3data", "generate", str(REPO / "params" / "ci.yaml"), "--quiet"]
     for k, v in o.items():
         cmd += ["-p", k, orjson.dumps(v).decode() if not isinstance(v, str) else v]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},

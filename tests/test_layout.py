@@ -1,24 +1,41 @@
-"""The library's shape: no import cycles (module-level or inside functions), no test-only code, no module
-far over 600 lines. A cycle is how a production loader came to import the test tokenizer."""
+"""The library's shape, enforced: no import cycles, no module far over 600 lines, no hand-built sample
+key, no test-only or dead names. (The package layout of issue 22 is not done yet: see its note.)
+
+A cycle is how a production loader came to import the test tokenizer; a key built by hand is how every
+API conversation was dropped from training; a second home of a concern is where records get lost.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-LIB = Path(__file__).resolve().parents[1] / "lib" / "eagle3data"
-MAX_LINES = 700  # "no module much over 600 lines"
+REPO = Path(__file__).resolve().parents[1]
+LIB = REPO / "lib" / "eagle3data"
+MAX_LINES = 700  # the issue asks 600: seven modules are still over it (issue 22, structure: open)
+# public names kept for users although nothing in the project calls them, with the reason
+PUBLIC_API = {"register_tokenizer": "the tokenizer plug-in hook (EAGLE3DATA_PLUGINS, docs/01)"}
 
 
-def _imports() -> dict[str, set[str]]:
-    """Module -> the eagle3data modules it imports anywhere in its body (relative or absolute)."""
-    graph: dict[str, set[str]] = {}
-    for p in LIB.rglob("*.py"):
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(LIB.rglob("*.py")):
         parts = ("eagle3data",) + p.relative_to(LIB).with_suffix("").parts
-        mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        pkg = list(parts[:-1])
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def _imports(inside_functions: bool = True) -> dict[str, set[str]]:
+    """Module -> the eagle3data modules it imports (anywhere in its body, or only at module level)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, p in mods.items():
+        pkg = mod.split(".") if p.name == "__init__.py" else mod.split(".")[:-1]
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        nodes = ast.walk(tree) if inside_functions else iter(tree.body)
         deps: set[str] = set()
-        for n in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+        for n in nodes:
             if isinstance(n, ast.ImportFrom):
                 if n.level:
                     base = pkg[: len(pkg) - (n.level - 1)]
@@ -54,12 +71,74 @@ def test_no_import_cycles_in_lib():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_no_module_is_far_over_600_lines():
+    long = {str(p.relative_to(LIB)): n for p in LIB.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def _hand_built_keys(source: str) -> list[int]:
+    """Lines that build a sample key by hand: a call of `SampleKey(...)`, or an f-string
+    `{...dataset...}/{...sample_id...}` (the key's spelling), outside the key's own home."""
+    lines = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute)):
+            if (n.func.id if isinstance(n.func, ast.Name) else n.func.attr) == "SampleKey":
+                lines.append(n.lineno)
+        if isinstance(n, ast.JoinedStr):
+            parts = n.values
+            for a, sep, b in zip(parts, parts[1:], parts[2:]):
+                if (isinstance(a, ast.FormattedValue) and isinstance(b, ast.FormattedValue)
+                        and isinstance(sep, ast.Constant) and sep.value == "/"
+                        and "dataset" in ast.unparse(a.value) and "sample_id" in ast.unparse(b.value)):
+                    lines.append(n.lineno)
+    return lines
+
+
+def test_no_sample_key_is_built_by_hand_in_lib():
+    home = LIB / "reader.py"
+    bad = {f"{p.relative_to(LIB)}:{ln}" for p in LIB.rglob("*.py") if p != home
+           for ln in _hand_built_keys(p.read_text(encoding="utf-8"))}
+    assert not bad, f"sample keys built by hand (use SampleKey.of(row)): {sorted(bad)}"
+
+
+def test_the_hand_built_key_check_can_fail():
+    assert _hand_built_keys("k = SampleKey('d', '1')\n") == [1]
+    assert _hand_built_keys("t = f\"{rec['dataset']}/{rec['sample_id']}\"\n") == [1]
+    assert _hand_built_keys("k = SampleKey.of(rec)\nt = f'{a}/{b}'\n") == []
+
+
+def _words(paths) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in paths:
+        for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", p.read_text(encoding="utf-8", errors="replace")):
+            counts[w] = counts.get(w, 0) + 1
+    return counts
+
+
+def _unused_public_names() -> dict[str, str]:
+    """Public top-level names of lib that nothing but tests uses (lib, notebooks, bench, docs' code)."""
+    defined: dict[str, list[Path]] = {}
+    for p in LIB.rglob("*.py"):
+        for n in ast.parse(p.read_text(encoding="utf-8")).body:
+            names = ([n.name] if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else
+                     [t.id for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()]
+                     if isinstance(n, ast.Assign) else [])
+            for name in names:
+                if not name.startswith("_"):
+                    defined.setdefault(name, []).append(p)
+    lib = _words(LIB.rglob("*.py"))
+    users = _words([*REPO.glob("notebooks/*.py"), *REPO.glob("bench/*.py")])
+    return {name: str(ps[0].relative_to(LIB)) for name, ps in sorted(defined.items())
+            if lib.get(name, 0) <= len(ps) and not users.get(name) and name not in PUBLIC_API}
+
+
+def test_no_lib_name_is_used_only_by_tests():
+    unused = _unused_public_names()
+    assert not unused, f"names in lib that only tests (or nothing) use: move them to tests/ or delete them: {unused}"
+
+
 def test_the_library_holds_no_test_only_code():
     for p in LIB.rglob("*.py"):
         text = p.read_text(encoding="utf-8")
         assert "SyntheticTokenizer" not in text and '"synthetic:' not in text, p
-
-
-def test_no_module_is_far_over_600_lines():
-    long = {p.name: n for p in LIB.rglob("*.py") if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert not long, long

@@ -142,7 +142,7 @@ def test_headless_generate_exits_non_zero_with_one_line_for_an_unusable_dataset(
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"sample_id": 1, "messages": [{"role": "us\n')  # the one line is cut off
-    proc = subprocess.run([sys.executable, "-m", "eagle3data.generate", "params/ci.yaml", "--quiet",
+    proc = subprocess.run([sys.executable, "-m", "eagle3data", "generate", "params/ci.yaml", "--quiet",
                            "-p", "output_root", str(tmp_path / "out"),
                            "-p", "datasets", json.dumps([{"name": "bad", "path": str(bad)}])],
                           cwd=REPO, capture_output=True, text=True)

@@ -409,7 +409,7 @@ def test_sigkill_mid_conversation_then_resume_gives_every_turn_once(tmp_path):
     with LoopbackServer("sglang", latency=0.15) as srv:
         over += ["-p", "generate.backend", "sglang", "-p", "generate.sglang", json.dumps({"base_url": srv.base_url})]
         env = dict(os.environ, HF_HUB_OFFLINE="1")
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3data.generate", str(REPO / "params" / "ci.yaml"),
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3data", "generate", str(REPO / "params" / "ci.yaml"),
                                  "--quiet", *over], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             for _ in range(600):  # up to 60 s for 5 journaled turns (model load included)

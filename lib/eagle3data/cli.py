@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from .errors import UserInputError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden", "05_export"]
@@ -558,7 +560,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-class UserError(Exception):
+class UserError(UserInputError):
     """A problem the user can fix, said in one line (no traceback without --debug); exit status 2."""
 
     status = 2
@@ -568,6 +570,22 @@ class StageFailed(UserError):
     """A stage notebook raised; the line gives the cell's error and the executed notebook. Exit status 1."""
 
     status = 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stage 01 without papermill (what notebook 01 runs): preflight, generate, the ledger table."""
+    from .generate import run_generate  # the stage's stack (tokenizers, HTTP clients) only for this command
+    from .params import load_params
+
+    params = load_params(args.params, dict(args.p or []))
+    problems = ready_problems(params, ["01_generate"])
+    if problems:
+        raise UserError("; ".join(problems))
+    s = run_generate(params, progress=not args.quiet)
+    print(s.table().to_string())
+    print(f"{s.status}: {s.new_records} new records in {s.seconds:.1f} s"
+          + (f" ({s.stop_reason})" if s.stop_reason else ""))
+    return 0 if s.status == "finished" else 3
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -609,6 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--now", action="store_true", help="also cancel the work in flight (a second signal)")
     sp.set_defaults(func=cmd_stop)
 
+    g = sub.add_parser("generate", help="stage 01 headless, without papermill (exit 3 when stopped early)")
+    g.add_argument("params", help="params YAML")
+    g.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
+    g.add_argument("--quiet", action="store_true", help="no progress line")
+    g.set_defaults(func=cmd_generate)
+
     a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")
     a.add_argument("records", help="records JSONL (or .parquet)")
     a.add_argument("--profile", help="smollm2, qwen3, kimi-k2.5 (default: the profile the records name)")
@@ -643,25 +667,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a user error is one line on stderr (exit 2), `--debug` shows its traceback."""
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
-    from .params import ParamsError
-
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
+    except UserInputError as e:  # every error a user can fix, in one line: its own status (2; a failed stage 1)
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(x.strip().lstrip("- ") for x in (str(e).strip() or type(e).__name__).splitlines()),
+              file=sys.stderr)
         return e.status
-    except (ParamsError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError,
-            RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # not ours, but still one line (and exit 2)
         if debug:
             raise
         msg = str(e).strip() or type(e).__name__
-        if isinstance(e, ParamsError):
-            msg = " ".join(x.strip().lstrip("- ") for x in msg.splitlines())
-        else:
-            msg = f"{type(e).__name__}: {msg.splitlines()[0]}"
-        print(f"error: {msg}" + ("" if isinstance(e, ParamsError) else " (--debug for the traceback)"), file=sys.stderr)
+        print(f"error: {type(e).__name__}: {msg.splitlines()[0]} (--debug for the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:

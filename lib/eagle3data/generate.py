@@ -16,7 +16,7 @@ and reported), and generates with the backend named in params:
 The HTTP backends share one asyncio engine (`backends/engine.py`) with budgets, a cost cap,
 retries and a graceful stop (SIGINT/SIGTERM, or a `STOP` file in the run folder; a second
 signal cancels what is in flight). `outputs/<run>/ledger.json` is kept current while it runs.
-Headless without papermill: `python -m eagle3data.generate params/x.yaml -p key value`.
+Headless without papermill: `python -m eagle3data generate params/x.yaml -p key value`.
 
 `generate.turns: all` (or `datasets[].turns`) regenerates each conversation turn by turn, every
 turn from the model's own earlier replies (`turns.py`; one record per turn, keyed
@@ -632,37 +632,3 @@ def _generate(params: RunParams, progress: bool, model: Any, tokenizer: Any) -> 
         print(f"generate {res.status}: {res.stop_reason}", file=sys.stderr)
     return GenerateSummary(run_dir, plan.ledger, time.perf_counter() - t0, res.new_records, res.status,
                            res.stop_reason, plan.torn_tail_bytes, res.responses, res.seconds, res.cpu_s)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3data.generate PARAMS [-p KEY VALUE]...`: stage 01 without papermill."""
-    import argparse
-
-    from .backends.engine import GenerateError
-    from .params import ParamsError, load_params
-
-    ap = argparse.ArgumentParser(prog="python -m eagle3data.generate", description=main.__doc__)
-    ap.add_argument("params")
-    ap.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"))
-    ap.add_argument("--quiet", action="store_true", help="no progress line")
-    args = ap.parse_args(argv)
-    try:
-        from .preflight import ready_problems
-
-        params = load_params(args.params, dict(args.p or []))
-        problems = ready_problems(params, ["01_generate"])
-        if problems:
-            print(f"error: {problems[0]}", file=sys.stderr)
-            return 2
-        s = run_generate(params, progress=not args.quiet)
-    except (ParamsError, GenerateError, FileNotFoundError, PromptDataError) as e:
-        print(" ".join(x.strip() for x in str(e).splitlines()), file=sys.stderr)
-        return 2
-    print(s.table().to_string())
-    print(f"{s.status}: {s.new_records} new records in {s.seconds:.1f} s"
-          + (f" ({s.stop_reason})" if s.stop_reason else ""))
-    return 0 if s.status == "finished" else 3
-
-
-if __name__ == "__main__":
-    sys.exit(main())

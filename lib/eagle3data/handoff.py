@@ -44,6 +44,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import orjson
 
+from .errors import UserInputError
 from .hidden import HiddenReader, handoff_bytes_per_token, write_sample_file
 from .reader import SampleKey
 
@@ -58,7 +59,7 @@ SPECFORGE_DRAFT_VOCAB = 32000  # draft_vocab_size of the EAGLE-3 draft config Sp
 HEAD_KEY, EMBED_KEY = "lm_head.weight", "model.embed_tokens.weight"  # SpecForge's defaults for both keys
 
 
-class HandoffError(RuntimeError):
+class HandoffError(UserInputError, RuntimeError):
     """The hand-off cannot be written as asked; the message says why and what to do."""
 
 

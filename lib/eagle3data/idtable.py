@@ -19,10 +19,11 @@ import numpy as np
 import orjson
 import pandas as pd
 
+from .errors import UserInputError
 from .reader import RunFileError, SampleKey, read_rebuilt, supersede_rule
 
 
-class AuditInputError(ValueError):
+class AuditInputError(UserInputError, ValueError):
     """Audit input cannot be read; the message names the file, line and field."""
 
 

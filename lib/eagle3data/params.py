@@ -15,8 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import UserInputError
 
-class ParamsError(ValueError):
+
+class ParamsError(UserInputError, ValueError):
     """A params file or override is invalid; the message names the file and the key."""
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .errors import UserInputError
 
-class ProfileError(ValueError):
+
+class ProfileError(UserInputError, ValueError):
     """A profile does not fit the tokenizer it is used with."""
 
 

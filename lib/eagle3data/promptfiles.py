@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from .errors import UserInputError
 from .formats import RowError
 from .params import repo_root
 
@@ -48,7 +49,7 @@ _ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as `surrog
 _CUT = "the file is cut off (truncated: a partial download?)"
 
 
-class PromptDataError(ValueError):
+class PromptDataError(UserInputError, ValueError):
     """A prompt dataset cannot be used (missing, unreadable, nothing usable, too much rejected)."""
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from .errors import UserInputError
+
 PACKAGES = ("eagle3data", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow",
             "pandas", "httpx", "pydantic", "papermill")
 
@@ -68,7 +70,7 @@ def write_provenance(run_dir: str | Path, stage: str, params: Any = None) -> Pat
     return p
 
 
-class RunParamsError(ValueError):
+class RunParamsError(UserInputError, ValueError):
     """A run folder's recorded params are missing or do not validate; the message names the file."""
 
 

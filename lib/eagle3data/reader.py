@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import orjson
 
+from .errors import UserInputError
 from .records import scan_journal
 
 COMPLETED = ("stop", "length")  # finish reasons of a record that holds a response
@@ -99,7 +100,7 @@ def key_text(dataset: str, sample_id: str, turn: int | None) -> str:
     return f"{dataset}/{sample_id}" if turn is None else f"{dataset}/{sample_id}#{int(turn)}"
 
 
-class RunFileError(ValueError):
+class RunFileError(UserInputError, ValueError):
     """A run file is malformed; the message names file, line and field(s)."""
 
     def __init__(self, message: str, *, path: Path | None = None, line: int | None = None,

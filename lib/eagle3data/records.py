@@ -59,10 +59,6 @@ class Record(BaseModel):
     created_at: float | None = None
 
 
-class JournalError(ValueError):
-    """A journal line is not a valid record; the message names file, line and field."""
-
-
 @dataclass
 class JournalScan:
     """What reading a journal found: the records, and what had to be cut or was skipped."""
@@ -111,12 +107,6 @@ def scan_journal(path: str | Path, *, repair: bool = False) -> JournalScan:
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """All complete records of a journal, as dicts (a torn tail is ignored, not repaired)."""
     return scan_journal(path).records
-
-
-def iter_run_records(run_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of every dataset journal of a run, in file order."""
-    for p in sorted((Path(run_dir) / "records").glob("*.jsonl")):
-        yield from read_records(p)
 
 
 class Journal:

@@ -18,12 +18,13 @@ from typing import Any, Iterator
 
 import orjson
 
+from .errors import UserInputError
 from .mix import Mix, hidden_dir, read_mix, source_sequences
 from .params import RunParams
 from .reader import Sample, SampleKey
 
 
-class HiddenError(RuntimeError):
+class HiddenError(UserInputError, RuntimeError):
     """04 cannot run or cannot trust what it wrote; the message says what to do."""
 
 

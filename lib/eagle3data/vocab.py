@@ -15,8 +15,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .errors import UserInputError
 
-class VocabError(ValueError):
+
+class VocabError(UserInputError, ValueError):
     """The draft vocabulary cannot be built as asked (a size beyond the target vocabulary, an id outside it)."""
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol, Sequence
 import httpx
 import orjson
 
+from ..errors import UserInputError
 from ..ledger import DatasetLedger, write_ledger
 from ..progress import Progress, generate_figures, generate_line
 from ..reader import SampleKey
@@ -54,7 +55,7 @@ YIELD_EVERY_S = 0.002
 responses, TLS handshakes and the bytes of requests already sent are not held behind it."""
 
 
-class GenerateError(RuntimeError):
+class GenerateError(UserInputError, RuntimeError):
     """The run cannot start or must stop (server mismatch, no credit, bad key): the message says why."""
 
 
