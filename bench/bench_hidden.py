@@ -87,21 +87,21 @@ def worker(variant: str, run_root: Path, scratch: Path, naive_batch: int) -> dic
     import torch
 
     from eagle3data.hidden import run_extract
-    from eagle3data.mix import build_mix
+    from eagle3data.hidden import plan_extract
     from eagle3data.models import model_for
 
     p = _params(run_root, scratch / "hidden")
     shutil.rmtree(scratch, ignore_errors=True)
-    mix = build_mix(p)
     model = model_for(p)
-    samples = mix.samples
+    plan = plan_extract(p, model=model)  # the stage's one plan (mix with the context limit, layers, estimate)
+    samples = plan.mix.samples
     tokens = sum(len(s.input_ids) for s in samples)
     with torch.inference_mode():  # warm-up on a short sequence (first-call costs, both variants)
         model(torch.tensor([samples[0].input_ids[:32]]))
     if variant == "ours":
         with PeakRSS() as mem:
             t0 = time.perf_counter()
-            res = run_extract(p, progress=False, model=model, mix=mix)
+            res = run_extract(p, progress=False, plan=plan)
             secs = time.perf_counter() - t0
         return {"tokens": tokens, "seconds": secs, "peak_rss_added_mb": (mem.peak - mem.base) / 2**20,
                 "pad_fraction": res.stats["pad_fraction"], "batches": res.stats["batches"]}

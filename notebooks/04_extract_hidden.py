@@ -13,8 +13,9 @@
 
 # %% [markdown]
 # # 04 · Extract hidden states
-# Builds the training mix, then stores the target's EAGLE-3 states for every token of every
-# mix sample: the outputs of three decoder layers (profile rule) and the final state
+# Plans once (the training mix built with the model's context limit, the layers, the estimate),
+# then executes that plan: stores the target's EAGLE-3 states for every token of every mix
+# sample: the outputs of three decoder layers (profile rule) and the final state
 # (`hidden.final_state`: the last layer's pre-norm output for speculators, the post-norm state for
 # SpecForge, or both), in shards or in a trainer's own per-sample files (`hidden.layout`).
 #
@@ -27,8 +28,7 @@
 # `hidden:` section. Resumable: finished shards are kept. Several GPUs: `docs/04_extract_hidden.md`.
 
 # %%
-from eagle3data.hidden import HiddenReader, estimate, layer_plan, load_extract_model, run_extract
-from eagle3data.mix import build_mix
+from eagle3data.hidden import HiddenReader, plan_extract, run_extract
 from eagle3data.params import load_params, params_for_display
 
 # %% tags=["parameters"]
@@ -41,49 +41,52 @@ print("run folder:", P.run_dir)
 params_for_display(P)["hidden"]
 
 # %% [markdown]
-# ## 1. Training mix: what goes in, what is dropped and why
+# ## 1. The plan: mix, layers, estimate (made once)
+# `plan_extract` builds the training mix with the model's context limit and writes it (once),
+# takes the layers from the model's config, finds what finished shards already hold, sizes what
+# is left and, with work to do, loads the model and times a probe. Section 4 executes exactly
+# this plan: `python -m eagle3data.hidden` calls the same two functions, without the tables.
 
 # %%
-mix = build_mix(P)
-print(mix.manifest["audit_note"])
-mix.table()
+plan = plan_extract(P)
+print(plan.mix.manifest["audit_note"])
+print(plan.context_line())
+plan.mix.table()
 
 # %% [markdown]
 # Shares per dataset when `hidden.dataset_weights` is set (empty otherwise): the largest mix that
 # holds them without repeating a sample.
 
 # %%
-mix.weights_table()
+plan.mix.weights_table()
+
+# %% [markdown]
+# What is dropped and why (`too_long`: longer than the context limit above, never truncated).
 
 # %%
-mix.dropped_table()
+plan.mix.dropped_table()
 
 # %% [markdown]
 # ## 2. Layers captured (both conventions name the same tensors)
 
 # %%
-model = load_extract_model(P)
-layers = layer_plan(P, model.config)
-print(f"{layers.num_layers} decoder layers: HF hidden_states index {list(layers.hf_indices)} "
-      f"= outputs of layers {list(layers.layer_outputs)}, then the final state: {P.hidden.final_state} "
-      f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {P.hidden.layout}")
+print(plan.layers_line())
 
 # %% [markdown]
 # ## 3. Size and time estimate (the run refuses to start if the disk lacks room)
 
 # %%
-est = estimate(P, model=model)
-est.table()
+plan.estimate.table()
 
 # %% [markdown]
-# ## 4. Extract (resumes: samples in finished shards are skipped)
+# ## 4. Extract the plan (resumes: samples in finished shards are skipped)
 
 # %%
-res = run_extract(P, model=model, mix=mix)
+res = run_extract(P, plan=plan)
 res.stats_table()
 
 # %% [markdown]
-# ## 5. Sequences beyond the model's context (skipped, never truncated)
+# ## 5. Sequences beyond the model's context (dropped from the mix, never extracted or truncated)
 
 # %%
 res.too_long_table()

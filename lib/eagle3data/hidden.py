@@ -29,6 +29,12 @@ On disk (`<run>/hidden/` or `hidden.out_dir`):
 - `index.parquet` (one row per sample: dataset, sample_id, source, ids_exact, position in
   the mix, shard (file), offset, length, loss_tokens) and `index.json` (layers, states, sizes, skipped).
 
+One plan: `plan_extract(params)` builds the mix once, with the model's context limit (longer
+samples are dropped as `too_long`, never fed to the model), the layer plan, this worker's work
+and its estimate; `run_extract(params, plan=plan)` executes exactly that plan, and
+`run_extract(params)` is `run_extract(params, plan=plan_extract(params))`. The notebook calls
+the same two functions and only shows the plan in between.
+
 Workers: `RANK`/`WORLD_SIZE` (as `torchrun` sets them) pick a deterministic disjoint part of
 the mix (mix position modulo world size); each writes its own shards; the worker that finds
 every sample stored merges the one index (`merge_index` does it on demand).
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -299,28 +305,25 @@ class WorkPlan:
     scan: ShardScan
 
 
-def plan_work(params: RunParams, mix: Mix, config: Any, *, rank: int, world_size: int,
-              discard_partial: bool = True) -> WorkPlan:
-    """Split the mix for this rank and leave out samples already in finished shards.
+def plan_work(params: RunParams, mix: Mix, *, rank: int, world_size: int) -> WorkPlan:
+    """Split the mix for this rank and leave out samples already in finished shards (reads headers only).
 
     Too-long sequences never reach here: the mix drops them (`too_long`, reported with the plan).
     """
     hdir = hidden_dir(params)
-    max_ctx = context_limit(params, config) or 0
+    max_ctx = (mix.manifest.get("settings") or {}).get("max_context") or 0  # the limit the mix was built with
     part = [(i, s) for i, s in enumerate(mix.samples) if i % world_size == rank]
     too_long = [d for d in mix.dropped if d["reason"] == "too_long"]
-    scan = scan_shards(hdir, discard_for_rank=rank if discard_partial else None,
-                       discard_all=discard_partial and world_size == 1)
+    scan = scan_shards(hdir)  # deletes nothing: run_extract discards partial files when it executes the plan
     scan.check_kind(params.hidden.layout, state_names(params.hidden.final_state), hdir)
     done = scan.done_keys()
     todo = [(i, s) for i, s in part if s.key not in done]
     return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
 
 
-def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, capture: Capture | None = None,
-                     mix: Mix | None = None) -> Estimate:
-    """Bytes (tokens x 4 x hidden x dtype + ids + mask) and, with a capture, time from a short probe;
-    with the mix, what its turn records cost (`Estimate.turn_cost`)."""
+def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, mix: Mix | None = None) -> Estimate:
+    """Bytes (tokens x states x hidden x dtype + ids + mask) and free disk of the work left (the time
+    comes from `probe`); with the mix, what its turn records cost (`Estimate.turn_cost`)."""
     hp = params.hidden
     hsize = int(text_config(config).hidden_size)
     bpt = bytes_per_token(hsize, hp.dtype, len(state_names(hp.final_state)), hp.layout)
@@ -330,26 +333,84 @@ def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, capture: Ca
                    layout=hp.layout, final_state=hp.final_state, dtype=hp.dtype,
                    store_tokens=sum(len(s.input_ids) for _, s in plan.part),
                    turns=None if mix is None else mix.manifest.get("turns"))
-    if capture is not None and plan.todo:
-        seqs = [s.input_ids for _, s in plan.todo]
-        batches = plan_batches([len(x) for x in seqs], params.hidden.batch_tokens)
-        est.probe_tokens, est.probe_seconds = probe(capture, seqs, batches, params.hidden.probe_batches)
     return est
+
+
+@dataclass
+class ExtractPlan:
+    """Stage 04's one plan: made once by `plan_extract`, shown by the notebook, executed as is by `run_extract`.
+
+    `mix`: the training mix, built with the model's context limit (`models.context_limit`; longer
+    samples dropped as `too_long`) and written once to `hidden/mix.parquet`: nothing after
+    `plan_extract` rebuilds or rewrites it. `layers`: the profile's layers on the model's real
+    layer count. `work`: this worker's share and what is left of it. `estimate`: bytes and free
+    disk for `work.todo` and, when a model was at hand, the timed probe. `model`: the model that
+    executes the plan (None when nothing is left, the disk lacks room, or it was not to be loaded).
+    """
+
+    params: RunParams = field(repr=False)
+    rank: int
+    world_size: int
+    config: Any = field(repr=False)
+    max_context: int | None
+    mix: Mix = field(repr=False)
+    layers: AuxLayers
+    work: WorkPlan = field(repr=False)
+    estimate: Estimate
+    model: Any = field(default=None, repr=False)
+    executed: bool = False
+
+    def layers_line(self) -> str:
+        """The layers captured, in both conventions (HF `hidden_states` index and decoder layer outputs)."""
+        lay, hp = self.layers, self.params.hidden
+        return (f"{lay.num_layers} decoder layers: HF hidden_states index {list(lay.hf_indices)} "
+                f"= outputs of layers {list(lay.layer_outputs)}, then the final state: {hp.final_state} "
+                f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {hp.layout}")
+
+    def context_line(self) -> str:
+        """The context limit the mix was built with, and what it dropped."""
+        n = sum(1 for d in self.mix.dropped if d["reason"] == "too_long")
+        if not self.max_context:
+            return "context limit: none known (no model.max_context, no max_position_embeddings): none too long"
+        return (f"context limit: {self.max_context:,} tokens (prompt + output); "
+                f"{n} sample{'s' if n != 1 else ''} longer dropped as too_long, never truncated")
+
+
+def plan_extract(params: RunParams, *, model: Any = None, load_model: bool = True) -> ExtractPlan:
+    """Stage 04's one plan for this worker: the mix (written once), the layers, the work left and its estimate.
+
+    The mix is built with the model's context limit, so the samples the model cannot take are
+    dropped (`too_long`) before anything is planned: the estimate, the extraction, the index
+    and 05 all see this one mix. Reads shard headers only and deletes nothing. With work to do,
+    room on the disk and `load_model`, the target model is loaded (unless given) and
+    `hidden.probe_batches` batches are timed; `run_extract(params, plan=plan)` then executes
+    exactly this plan with that model.
+    """
+    rank, world = dist_env()
+    config = model.config if model is not None else load_config(params)
+    max_ctx = context_limit(params, config)
+    mix = build_mix(params, max_context=max_ctx)  # written once: nothing below rebuilds or rewrites it
+    layers = layer_plan(params, config)
+    work = plan_work(params, mix, rank=rank, world_size=world)
+    est = estimate_extract(params, work, config, mix)
+    if model is None and load_model and work.todo and est.fits:
+        model = load_extract_model(params)
+    if model is not None and work.todo and params.hidden.probe_batches > 0:
+        seqs = [s.input_ids for _, s in work.todo]
+        batches = plan_batches([len(x) for x in seqs], params.hidden.batch_tokens)
+        with Capture(model, layers, _torch_dtype(params.hidden.dtype), params.hidden.final_state) as cap:
+            est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, params.hidden.probe_batches)
+    return ExtractPlan(params, rank, world, config, max_ctx, mix, layers, work, est, model)
 
 
 def estimate(params: RunParams, *, model: Any = None) -> Estimate:
     """Size of what this worker still has to extract, the free disk, and (given a model) a timed probe.
 
-    Reads nothing but headers and deletes nothing: safe to call before `run_extract`.
+    The estimate of a plan of its own (`plan_extract(params, model=model, load_model=False)`;
+    it writes the same mix a run would): to look before running. The estimate of the plan a
+    run executes is `plan.estimate`. Reads nothing but headers and deletes nothing.
     """
-    rank, world = dist_env()
-    config = model.config if model is not None else load_config(params)
-    mix = build_mix(params, max_context=context_limit(params, config))
-    plan = plan_work(params, mix, config, rank=rank, world_size=world, discard_partial=False)
-    if model is None:
-        return estimate_extract(params, plan, config, mix=mix)
-    with Capture(model, layer_plan(params, config), _torch_dtype(params.hidden.dtype), params.hidden.final_state) as cap:
-        return estimate_extract(params, plan, config, cap, mix=mix)
+    return plan_extract(params, model=model, load_model=False).estimate
 
 
 @dataclass
@@ -367,6 +428,7 @@ class ExtractResult:
     index: Any = None
     validation: "Validation | None" = None
     waiting_for: int = 0
+    plan: ExtractPlan | None = field(default=None, repr=False)  # the plan executed (its mix, layers, estimate)
 
     def table(self):
         """Per dataset (from the merged index): samples, tokens, trained tokens and bytes stored."""
@@ -408,47 +470,61 @@ class ExtractResult:
         }
 
 
-def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, mix: Mix | None = None,
+def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, plan: ExtractPlan | None = None,
                 max_new_shards: int | None = None) -> ExtractResult:
-    """Stage 04 for this worker: mix, plan, estimate (refuse if the disk is short), extract, merge, validate.
+    """Stage 04 for this worker: execute one plan (refuse if the disk is short), extract, merge, validate.
 
+    `plan`: what `plan_extract(params)` made (the notebook shows it first); without one, this
+    makes it: `run_extract(params)` is `run_extract(params, plan=plan_extract(params, model=model))`.
+    Exactly the plan's mix and work are extracted, with its layers and its model; the mix is
+    not rebuilt or rewritten, the index is merged and validated against it. A plan runs once.
     `max_new_shards` stops after writing that many shards (to bound a session; resume later).
     """
     from .provenance import write_provenance
 
+    plan = plan_extract(params, model=model) if plan is None else plan
+    wrong = ("has run already: make a new one to resume" if plan.executed
+             else "was made for other params" if plan.params != params
+             else "holds another model than the one given" if model is not None and plan.model not in (None, model)
+             else f"is for rank {plan.rank} of {plan.world_size}, this worker is rank {dist_env()[0]} of "
+                  f"{dist_env()[1]}" if (plan.rank, plan.world_size) != dist_env() else None)
+    if wrong:
+        raise HiddenError(f"the extraction plan {wrong} (plan_extract makes the plan run_extract executes)")
+    plan.executed = True
     hp = params.hidden
     hdir = hidden_dir(params)
-    rank, world = dist_env()
-    config = model.config if model is not None else load_config(params)
-    mix = mix or build_mix(params, max_context=context_limit(params, config))
-    layers = layer_plan(params, config)
-    plan = plan_work(params, mix, config, rank=rank, world_size=world)
+    rank, world = plan.rank, plan.world_size
+    config, mix, layers, work, est = plan.config, plan.mix, plan.layers, plan.work, plan.estimate
     if rank == 0:
         write_provenance(params.run_dir, STAGE, params)
+    check_disk(est, hdir)
+    # what a crash left: this worker's partial files (every worker's when alone); the plan never counted them as done
+    discarded = scan_shards(hdir, discard_for_rank=rank, discard_all=world == 1).discarded
 
     stats: dict[str, Any] = {
-        "rank": rank, "world_size": world, "samples_in_part": len(plan.part),
-        "already_stored": len(plan.part) - len(plan.todo),
-        "to_extract": len(plan.todo), "too_long": len(plan.too_long),
-        "partial_shards_discarded": len(plan.scan.discarded), "hidden_size": int(text_config(config).hidden_size),
+        "rank": rank, "world_size": world, "samples_in_part": len(work.part),
+        "already_stored": len(work.part) - len(work.todo),
+        "to_extract": len(work.todo), "too_long": len(work.too_long),
+        "partial_shards_discarded": len(discarded), "hidden_size": int(text_config(config).hidden_size),
         "dtype": hp.dtype, "layers_hf_indices": list(layers.hf_indices),
         "layers_outputs": list(layers.layer_outputs), "num_layers": layers.num_layers,
         "states": list(state_names(hp.final_state)), "layout": hp.layout,
         "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
         "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
     }
-    est = estimate_extract(params, plan, config, mix=mix)
-    check_disk(est, hdir)
-    if plan.todo:
-        model = model if model is not None else load_extract_model(params)
+    if work.todo:
+        if plan.model is None:  # a plan made without loading it
+            plan.model = model if model is not None else load_extract_model(params)
+        model = plan.model
         info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
                 "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
                 "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
                 "final_state": hp.final_state, "layout": hp.layout, "mix_fingerprint": mix.manifest.get("fingerprint")}
         with Capture(model, layers, _torch_dtype(hp.dtype), hp.final_state) as cap:
-            seqs = [s.input_ids for _, s in plan.todo]
+            seqs = [s.input_ids for _, s in work.todo]
             batches = plan_batches([len(x) for x in seqs], hp.batch_tokens)
-            est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, hp.probe_batches)
+            if not est.probe_seconds:  # timed once: by the plan when it had the model, else here
+                est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, hp.probe_batches)
             writer = (ShardWriter(hdir, rank, hp.shard_bytes, info) if hp.layout == "shards"
                       else SampleFileWriter(hdir, rank, hp.layout, info))
             pad_id = int(getattr(text_config(config), "pad_token_id", None) or 0)
@@ -464,7 +540,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
                     stats["padded_tokens"] += ids.numel()
                     stats["computed_tokens"] += sum(len(seqs[i]) for i in b)
                     for r, i in enumerate(b):
-                        pos, s = plan.todo[i]
+                        pos, s = work.todo[i]
                         writer.add(s, pos, states[r, : len(s.input_ids)].clone())
                         stats["extracted"] += 1
                         stats["tokens"] += len(s.input_ids)
@@ -494,7 +570,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     if stats["seconds"]:
         stats["tokens_per_s"] = round(stats["computed_tokens"] / stats["seconds"], 1)
 
-    result = ExtractResult(hdir, rank, world, mix.manifest, est, stats, plan.too_long, merged=False)
+    result = ExtractResult(hdir, rank, world, mix.manifest, est, stats, work.too_long, merged=False, plan=plan)
     if stats["stopped_early"]:
         return result
     try:
