@@ -29,9 +29,9 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "lib"))
 
-from eagle3data.audit import audit_table  # noqa: E402
-from eagle3data.idtable import read_journal  # noqa: E402
-from eagle3data.profiles import KIMI_K25  # noqa: E402
+from eagle3data.audit.run import audit_table  # noqa: E402
+from eagle3data.audit.idtable import read_journal  # noqa: E402
+from eagle3data.core.profiles import KIMI_K25  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test-only stand-in vocabulary
 from synthetic import synthetic_id_table, synthetic_records  # noqa: E402
 

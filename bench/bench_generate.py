@@ -208,9 +208,9 @@ def steady_state(journal: Path, latency: float, in_flight: int, t_call: float) -
 
 def run_ours(client: str, base_url: str, prompts: Path, out: Path, n: int, in_flight: int, latency: float) -> dict:
     from eagle3data.backends import engine
-    from eagle3data.generate import run_generate
-    from eagle3data.models import tokenizer_for
-    from eagle3data.params import load_params
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.models import tokenizer_for
+    from eagle3data.core.params import load_params
 
     if client not in ("lean", "lean_h1"):
         engine.TRANSPORT = _transports()[client]
@@ -243,7 +243,7 @@ def run_baseline(base_url: str, prompts: Path, out: Path, n: int, in_flight: int
     import httpx
     import openai
 
-    from eagle3data.records import Journal
+    from eagle3data.core.records import Journal
 
     rows = [orjson.loads(line) for line in prompts.read_bytes().splitlines()[:n]]
     client = openai.OpenAI(base_url=base_url, api_key=os.environ[KEY_ENV], max_retries=0, timeout=latency * 10 + 30,

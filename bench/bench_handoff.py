@@ -32,11 +32,11 @@ def main(params_file: str = "params/ci.yaml") -> dict:
     import specforge.data.preprocessing as sfp
     from speculators.train.data import ArrowDataset
 
-    from eagle3data import handoff as HO
-    from eagle3data.generate import run_generate
-    from eagle3data.hidden import read_mix, run_extract
-    from eagle3data.models import model_for
-    from eagle3data.params import load_params
+    from eagle3data.export import handoff as HO
+    from eagle3data.generate.run import run_generate
+    from eagle3data.hidden.extract import read_mix, run_extract
+    from eagle3data.core.models import model_for
+    from eagle3data.core.params import load_params
 
     root = Path(tempfile.mkdtemp(prefix="bench_handoff_"))
     base = load_params(REPO / params_file, {"output_root": str(root / "gen")})

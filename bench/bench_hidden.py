@@ -56,7 +56,7 @@ class PeakRSS:
 
 
 def _params(run_root: Path, hidden_out: Path | None = None):
-    from eagle3data.params import load_params
+    from eagle3data.core.params import load_params
 
     over = {"output_root": str(run_root), "run_name": "embedded", "hidden.probe_batches": 0,
             "hidden.validate_after": False,
@@ -73,8 +73,8 @@ def ensure_records() -> tuple[Path, str]:
         return REPO / "outputs", "outputs/embedded (make run)"
     root = OUT / "hidden_run"
     if not (root / "embedded" / "records").exists() or not any((root / "embedded" / "records").glob("*.jsonl")):
-        from eagle3data.generate import run_generate
-        from eagle3data.params import load_params
+        from eagle3data.generate.run import run_generate
+        from eagle3data.core.params import load_params
 
         p = load_params(REPO / "params" / "embedded.yaml",
                         {"output_root": str(root), "generate.sampling.max_new_tokens": 64})
@@ -86,9 +86,9 @@ def worker(variant: str, run_root: Path, scratch: Path, naive_batch: int) -> dic
     """One measured pass of one variant, in this (fresh) process."""
     import torch
 
-    from eagle3data.hidden import run_extract
-    from eagle3data.hidden import plan_extract
-    from eagle3data.models import model_for
+    from eagle3data.hidden.extract import run_extract
+    from eagle3data.hidden.extract import plan_extract
+    from eagle3data.core.models import model_for
 
     p = _params(run_root, scratch / "hidden")
     shutil.rmtree(scratch, ignore_errors=True)
@@ -182,7 +182,7 @@ def main() -> int:
     peak = {v: min(r["peak_rss_added_mb"] for r in rs) for v, rs in runs.items()}
     import torch
 
-    from eagle3data.hidden import bytes_per_token
+    from eagle3data.hidden.extract import bytes_per_token
 
     hidden_size = 576
     disk = disk_figures(scratch / "ours" / "hidden")

@@ -30,9 +30,9 @@ GOAL = 0.8
 
 
 def synthetic_turns(n: int, seed: int = 0):
-    from eagle3data.prompts import builtin_datasets, load_prompts
-    from eagle3data.reconstruct import tool_call
-    from eagle3data.rebuild import ApiTurn
+    from eagle3data.prompts.load import builtin_datasets, load_prompts
+    from eagle3data.rebuild.run import tool_call
+    from eagle3data.rebuild.text import ApiTurn
 
     words = " ".join(m["content"] for name in builtin_datasets() for p in load_prompts(f"builtin:{name}").prompts
                      for m in p.messages).split(" ")
@@ -60,7 +60,7 @@ def timed(fn):
 
 def bench_vocab(name: str, tok, profile, turns, reencode: bool = True) -> dict:
     """Baseline and rebuild+verify timed in alternating rounds on the same texts; best of ROUNDS each."""
-    from eagle3data.rebuild import BYTE_TABLE_MIN_RECORDS, _byte_table, _join, assemble, rebuild_batch
+    from eagle3data.rebuild.text import BYTE_TABLE_MIN_RECORDS, _byte_table, _join, assemble, rebuild_batch
 
     bt = tok.backend_tokenizer  # both sides use this `tokenizers.Tokenizer`
     texts = [_join(assemble(t, profile)[0])[0] for t in turns]  # the texts rebuild_batch encodes
@@ -115,9 +115,9 @@ def load() -> dict:
 
 
 def main() -> int:
-    from eagle3data.models import load_tokenizer
-    from eagle3data.params import repo_root
-    from eagle3data.profiles import QWEN3, SMOLLM2
+    from eagle3data.core.models import load_tokenizer
+    from eagle3data.core.params import repo_root
+    from eagle3data.core.profiles import QWEN3, SMOLLM2
     from qwen3_vocab import load_qwen3_tokenizer
 
     t0 = time.perf_counter()

@@ -32,10 +32,10 @@
 # `generate.stop_grace_s` to finish, and the ledger below says what was kept.
 
 # %%
-from eagle3data.generate import run_generate
-from eagle3data.ledger import read_ledger
-from eagle3data.params import load_params, params_for_display
-from eagle3data.report import banners, ledger_banners
+from eagle3data.generate.run import run_generate
+from eagle3data.generate.ledger import read_ledger
+from eagle3data.core.params import load_params, params_for_display
+from eagle3data.audit.report import banners, ledger_banners
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"

@@ -25,9 +25,9 @@
 # `-p key value` on the CLI); the stage's own keys live under `reconstruct:`.
 
 # %%
-from eagle3data.params import load_params, params_for_display
-from eagle3data.reconstruct import run_reconstruct
-from eagle3data.rebuild import FLAGS, PROOF_MEANING
+from eagle3data.core.params import load_params, params_for_display
+from eagle3data.rebuild.run import run_reconstruct
+from eagle3data.rebuild.text import FLAGS, PROOF_MEANING
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"

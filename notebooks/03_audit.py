@@ -26,13 +26,13 @@
 # `sample_id` and `dataset`: the record the inspector opens (None = `audit.inspect_*` in params).
 
 # %%
-from eagle3data import plots
-from eagle3data.audit import run_audit
-from eagle3data.ledger import ledger_frame
-from eagle3data.inspector import failing_records, inspect_record
-from eagle3data.models import tokenizer_for
-from eagle3data.params import load_params
-from eagle3data.report import (HTMLBlock, audit_banners, check_matrix_html, check_summary_view, params_html, shown_path,
+from eagle3data.audit import plots
+from eagle3data.audit.run import run_audit
+from eagle3data.generate.ledger import ledger_frame
+from eagle3data.audit.inspector import failing_records, inspect_record
+from eagle3data.core.models import tokenizer_for
+from eagle3data.core.params import load_params
+from eagle3data.audit.report import (HTMLBlock, audit_banners, check_matrix_html, check_summary_view, params_html, shown_path,
                                show_table, superseded_html)
 
 # %% tags=["parameters"]

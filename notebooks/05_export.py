@@ -29,9 +29,9 @@
 # `formats`). See `docs/05_export.md` for the command each trainer runs.
 
 # %%
-from eagle3data.export import run_export
-from eagle3data.params import load_params, params_for_display
-from eagle3data.report import export_banners
+from eagle3data.export.run import run_export
+from eagle3data.core.params import load_params, params_for_display
+from eagle3data.audit.report import export_banners
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"

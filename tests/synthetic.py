@@ -9,7 +9,7 @@ It renders a Kimi-style chat template (tool declarations in a leading system tur
 template's history rule for reasoning and tool turns, generation prompt ending in `<think>`).
 
 Test-only code: it lives with the tests and registers the tokenizer source `synthetic:PROFILE`
-with `eagle3data.models.register_tokenizer` when imported (the tests' conftest imports it and
+with `eagle3data.core.models.register_tokenizer` when imported (the tests' conftest imports it and
 names this file in EAGLE3DATA_PLUGINS, so notebook kernels started by the tests load it too).
 
 `synthetic_records` builds valid reasoning records (200-8,000 output tokens by default,
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from eagle3data.profiles import KIMI_K25, Profile
+from eagle3data.core.profiles import KIMI_K25, Profile
 
 KIMI_ROLE_TOKENS = {
     163584: "[BOS]", 163587: "<|im_user|>", 163588: "<|im_assistant|>", 163594: "<|im_system|>",
@@ -239,7 +239,7 @@ def synthetic_id_table(n: int, *, seed: int = 0, min_output: int = 200, max_outp
     """An IdTable of n valid kimi-profile records built with numpy only (for throughput runs)."""
     import pandas as pd
 
-    from eagle3data.idtable import IdTable
+    from eagle3data.audit.idtable import IdTable
 
     tok = SyntheticTokenizer(profile)
     rng = np.random.default_rng(seed)
@@ -270,14 +270,14 @@ def synthetic_id_table(n: int, *, seed: int = 0, min_output: int = 200, max_outp
 
 def _load(spec: str, profile: Any = None) -> SyntheticTokenizer:
     """`synthetic:PROFILE` -> the stand-in vocabulary on that profile's ids."""
-    from eagle3data.profiles import get_profile
+    from eagle3data.core.profiles import get_profile
 
     return SyntheticTokenizer(get_profile(spec))
 
 
 def register() -> None:
-    """Make `synthetic:PROFILE` a tokenizer source of `eagle3data.models.load_tokenizer`."""
-    from eagle3data.models import register_tokenizer
+    """Make `synthetic:PROFILE` a tokenizer source of `eagle3data.core.models.load_tokenizer`."""
+    from eagle3data.core.models import register_tokenizer
 
     register_tokenizer("synthetic:", _load)
 

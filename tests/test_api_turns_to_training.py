@@ -15,16 +15,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3data.audit import run_audit
-from eagle3data.export import run_export
-from eagle3data.generate import run_generate
-from eagle3data.hidden import HiddenReader, run_extract
-from eagle3data.mix import read_mix
-from eagle3data.profiles import QWEN3
-from eagle3data.prompts import Prompt, template_prompt
-from eagle3data.reader import SampleKey, read_rebuilt, read_verdicts
-from eagle3data.reconstruct import run_reconstruct
-from eagle3data.records import scan_journal
+from eagle3data.audit.run import run_audit
+from eagle3data.export.run import run_export
+from eagle3data.generate.run import run_generate
+from eagle3data.hidden.extract import HiddenReader, run_extract
+from eagle3data.hidden.mix import read_mix
+from eagle3data.core.profiles import QWEN3
+from eagle3data.prompts.load import Prompt, template_prompt
+from eagle3data.core.reader import SampleKey, read_rebuilt, read_verdicts
+from eagle3data.rebuild.run import run_reconstruct
+from eagle3data.core.records import scan_journal
 from loopback import LoopbackServer
 from test_turns import CONVERSATIONS, KEY_ENV, _params, _prompts_file
 

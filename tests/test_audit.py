@@ -11,12 +11,12 @@ import numpy as np
 import orjson
 import pytest
 
-from eagle3data.audit import audit_table
-from eagle3data.checks import FAIL, NA, NOT_RUN, PASS
-from eagle3data.idtable import load_run, read_journal
-from eagle3data.stats import upper95
+from eagle3data.audit.run import audit_table
+from eagle3data.audit.checks import FAIL, NA, NOT_RUN, PASS
+from eagle3data.audit.idtable import load_run, read_journal
+from eagle3data.core.stats import upper95
 from eagle3data.cli import main as cli_main
-from eagle3data.profiles import KIMI_K25, SMOLLM2
+from eagle3data.core.profiles import KIMI_K25, SMOLLM2
 from synthetic import SyntheticTokenizer, synthetic_id_table, synthetic_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,8 +164,8 @@ def test_cli_unreadable_input_is_a_clear_error(tmp_path, capsys):
 
 
 def test_stage_on_the_ci_run(ci_run, smollm2_tokenizer, tmp_path):
-    from eagle3data.audit import run_audit
-    from eagle3data.inspector import inspect_record
+    from eagle3data.audit.run import run_audit
+    from eagle3data.audit.inspector import inspect_record
 
     params = ci_run.model_copy(update={"output_root": str(tmp_path)})
     shutil.copytree(ci_run.run_dir, params.run_dir)

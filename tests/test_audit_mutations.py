@@ -15,12 +15,12 @@ from typing import Any, Callable
 import orjson
 import pytest
 
-from eagle3data.audit import audit_table
-from eagle3data.checks import FAIL
-from eagle3data.idtable import read_journal
-from eagle3data.profiles import KIMI_K25, SMOLLM2, Profile
-from eagle3data.prompts import Prompt, template_prompt
-from eagle3data.records import read_records
+from eagle3data.audit.run import audit_table
+from eagle3data.audit.checks import FAIL
+from eagle3data.audit.idtable import read_journal
+from eagle3data.core.profiles import KIMI_K25, SMOLLM2, Profile
+from eagle3data.prompts.load import Prompt, template_prompt
+from eagle3data.core.records import read_records
 from synthetic import SyntheticTokenizer, synthetic_records
 
 

@@ -11,9 +11,9 @@ import orjson
 import pandas as pd
 import pytest
 
-from eagle3data.audit import audit_table
-from eagle3data.idtable import AuditInputError, _read_orjson, _split_torn, read_journal
-from eagle3data.profiles import KIMI_K25
+from eagle3data.audit.run import audit_table
+from eagle3data.audit.idtable import AuditInputError, _read_orjson, _split_torn, read_journal
+from eagle3data.core.profiles import KIMI_K25
 from synthetic import synthetic_records
 
 ARRAYS = ("prompt", "prompt_off", "has_prompt", "output", "output_off", "has_output")

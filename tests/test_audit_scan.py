@@ -6,10 +6,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from eagle3data import checks
-from eagle3data.checks import FAIL, NA, PASS, cross_record_checks, special_events, structural_checks
-from eagle3data.idtable import IdTable
-from eagle3data.profiles import KIMI_K25
+from eagle3data.audit import checks
+from eagle3data.audit.checks import FAIL, NA, PASS, cross_record_checks, special_events, structural_checks
+from eagle3data.audit.idtable import IdTable
+from eagle3data.core.profiles import KIMI_K25
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int16, np.uint32])

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3data.params import load_params
+from eagle3data.core.params import load_params
 from eagle3data.preflight import ready_problems
-from eagle3data.prompts import PromptDataError, check_source, load_prompts
+from eagle3data.prompts.load import PromptDataError, check_source, load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "formats"

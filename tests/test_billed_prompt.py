@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import orjson
 
-from eagle3data.audit import audit_table
-from eagle3data.checks import FAIL, NA, PASS
-from eagle3data.idtable import read_journal
-from eagle3data.profiles import SMOLLM2
+from eagle3data.audit.run import audit_table
+from eagle3data.audit.checks import FAIL, NA, PASS
+from eagle3data.audit.idtable import read_journal
+from eagle3data.core.profiles import SMOLLM2
 
 
 def _rec(sid: int, provider: str, n_prompt: int, billed: int | None, *, source: str = "api") -> dict:

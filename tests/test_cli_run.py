@@ -77,7 +77,7 @@ def _wait_status(run_dir: Path, status: str, proc: subprocess.Popen) -> None:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    from eagle3data.records import scan_journal
+    from eagle3data.core.records import scan_journal
 
     return scan_journal(run_dir / "records" / "d0.jsonl").records
 
@@ -174,7 +174,7 @@ def test_user_errors_are_one_line(tmp_path, case, extra, env, words):
 
 
 def test_dataset_by_name_override_and_debug_traceback(tmp_path):
-    from eagle3data.params import load_params
+    from eagle3data.core.params import load_params
 
     p = load_params(REPO / "params" / "ci.yaml", {"datasets.b5_openthoughts.limit": 1})
     assert [(d.name, d.limit) for d in p.datasets] == [("b1_glaive", 2), ("b5_openthoughts", 1)]
@@ -216,7 +216,7 @@ def test_bad_prompt_file_is_one_line_before_any_notebook(tmp_path, case, content
 def test_ready_problems_lists_every_bad_prompt_file(tmp_path):
     """One problem per bad dataset (joined into the one error line), none for a good file or without 01."""
     from eagle3data.cli import ready_problems
-    from eagle3data.params import load_params
+    from eagle3data.core.params import load_params
 
     good = _prompts(tmp_path / "good.jsonl", 2)
     (tmp_path / "empty.jsonl").write_bytes(b"")
@@ -232,8 +232,8 @@ def test_ready_problems_lists_every_bad_prompt_file(tmp_path):
 def test_rejected_prompt_lines_reach_the_terminal_after_01(tmp_path, monkeypatch, capsys):
     """After 01 under `run`, each dataset's rejected-prompt count and its first 3 lines go to stdout."""
     from eagle3data import cli
-    from eagle3data.generate import run_generate
-    from eagle3data.params import load_params
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.params import load_params
 
     good = [orjson.dumps({"sample_id": i, "messages": [{"role": "user", "content": f"Q {i}?"}]}) for i in range(4)]
     bad = [b'{"sample_id": 10}', b"not json at all", b'{"sample_id": 11, "messages": "x"}', b'{"sample_id": 12}']

@@ -16,14 +16,14 @@ import orjson
 import pytest
 import torch
 
-from eagle3data.audit import run_audit
-from eagle3data.generate import run_generate
-from eagle3data.inspector import inspect_record
-from eagle3data.ledger import read_ledger
-from eagle3data.params import load_params
-from eagle3data.profiles import QWEN3
-from eagle3data.records import scan_journal
-from eagle3data.turns import conversation_turns, end_kind
+from eagle3data.audit.run import run_audit
+from eagle3data.generate.run import run_generate
+from eagle3data.audit.inspector import inspect_record
+from eagle3data.generate.ledger import read_ledger
+from eagle3data.core.params import load_params
+from eagle3data.core.profiles import QWEN3
+from eagle3data.core.records import scan_journal
+from eagle3data.generate.turns import conversation_turns, end_kind
 from loopback import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3data.export import (
+from eagle3data.export.run import (
     ExportError,
     build_draft_vocab,
     conversation,
@@ -26,7 +26,7 @@ from eagle3data.export import (
     params_of_run,
     select_samples,
 )
-from eagle3data.vocab import VocabError
+from eagle3data.export.vocab import VocabError
 from runfiles import iter_run_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -226,8 +226,8 @@ def test_cli_exports_and_reports(run_copy, tmp_path):
 
 def test_run_export_writes_both_formats_and_the_draft_vocab(ci_run, tmp_path):
     """What notebook 05 calls: both formats under <run>/export/, one draft vocab, coverage figure."""
-    from eagle3data.export import run_export
-    from eagle3data.params import load_params
+    from eagle3data.export.run import run_export
+    from eagle3data.core.params import load_params
 
     shutil.copytree(ci_run.run_dir, tmp_path / ci_run.run_name)
     params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "export.draft_vocab_size": 40})

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3data.formats import FORMATS
-from eagle3data.profiles import SMOLLM2
-from eagle3data.prompts import check_source, load_prompts, messages_for_template
+from eagle3data.prompts.formats import FORMATS
+from eagle3data.core.profiles import SMOLLM2
+from eagle3data.prompts.load import check_source, load_prompts, messages_for_template
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "formats"
@@ -267,7 +267,7 @@ def test_prompts_command_shows_rejections_and_writes_prompts_that_read_back(tmp_
 
 @pytest.mark.slow
 def test_formats_demo_runs_through_01_to_03_with_one_dataset_of_each_format(tmp_path):
-    from eagle3data.params import load_params
+    from eagle3data.core.params import load_params
 
     cmd = [sys.executable, "-m", "eagle3data", "run", "params/formats_demo.yaml", "--only", "01", "--only", "02",
            "--only", "03", "-p", "output_root", str(tmp_path)]

@@ -19,11 +19,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from eagle3data.backends.engine import GenerateError
-from eagle3data.generate import run_generate
-from eagle3data.ledger import read_ledger
-from eagle3data.params import load_params
-from eagle3data.records import Record, scan_journal
+from eagle3data.generate.backends.engine import GenerateError
+from eagle3data.generate.run import run_generate
+from eagle3data.generate.ledger import read_ledger
+from eagle3data.core.params import load_params
+from eagle3data.core.records import Record, scan_journal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
@@ -85,8 +85,8 @@ def assert_adds_up(params) -> dict:
 # -- normal runs ---------------------------------------------------------------------------------
 
 def test_openai_run_records_api_fields(tmp_path, smollm2_tokenizer):
-    from eagle3data.profiles import SMOLLM2
-    from eagle3data.prompts import load_prompts, template_prompt
+    from eagle3data.core.profiles import SMOLLM2
+    from eagle3data.prompts.load import load_prompts, template_prompt
 
     with LoopbackServer("openai") as srv:
         params = make_params(tmp_path, srv, n=8)
@@ -455,8 +455,8 @@ def test_sigint_waits_for_in_flight(tmp_path):
 def test_prompts_templated_at_dispatch_too_long_rejected_never_sent(tmp_path, smollm2_tokenizer, kind):
     """HTTP runs template each prompt as it is dispatched (or ahead, while every slot is busy):
     ids match template_prompt, and a prompt reaching model.max_context is skipped, listed, never sent."""
-    from eagle3data.profiles import SMOLLM2
-    from eagle3data.prompts import load_prompts, template_prompt
+    from eagle3data.core.profiles import SMOLLM2
+    from eagle3data.prompts.load import load_prompts, template_prompt
 
     prompts = load_prompts(write_prompts(tmp_path / "probe.jsonl", 12)).prompts
     lengths = {p.sample_id: len(template_prompt(smollm2_tokenizer, p, SMOLLM2)) for p in prompts}

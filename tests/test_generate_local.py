@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3data.generate import run_generate
-from eagle3data.params import load_params
-from eagle3data.profiles import SMOLLM2
-from eagle3data.records import scan_journal
+from eagle3data.generate.run import run_generate
+from eagle3data.core.params import load_params
+from eagle3data.core.profiles import SMOLLM2
+from eagle3data.core.records import scan_journal
 from runfiles import assert_ledger_adds_up
 
 REPO = Path(__file__).resolve().parents[1]

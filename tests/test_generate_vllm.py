@@ -18,11 +18,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from eagle3data.backends.engine import GenerateError
-from eagle3data.generate import run_generate
-from eagle3data.ledger import read_ledger
-from eagle3data.params import load_params
-from eagle3data.records import Record, scan_journal
+from eagle3data.generate.backends.engine import GenerateError
+from eagle3data.generate.run import run_generate
+from eagle3data.generate.ledger import read_ledger
+from eagle3data.core.params import load_params
+from eagle3data.core.records import Record, scan_journal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
@@ -64,9 +64,9 @@ def completions(srv: LoopbackServer) -> list[dict]:
 
 
 def test_vllm_run_keeps_output_ids_exact(tmp_path, smollm2_tokenizer):
-    from eagle3data.profiles import SMOLLM2
-    from eagle3data.prompts import load_prompts, template_prompt
-    from eagle3data.spans import output_texts
+    from eagle3data.core.profiles import SMOLLM2
+    from eagle3data.prompts.load import load_prompts, template_prompt
+    from eagle3data.core.spans import output_texts
 
     with LoopbackServer("vllm", served_model_name=SERVED) as srv:
         params = make_params(tmp_path, srv, n=7, **{"generate.vllm": {"base_url": srv.base_url, "batch_size": 3}})

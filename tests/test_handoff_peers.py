@@ -34,16 +34,16 @@ import torch
 # installed by `make install` (Makefile); a missing peer is a failure, not a skip
 import specforge.data.preprocessing as specforge_pre
 
-from eagle3data import handoff as HO
-from eagle3data.hidden import HiddenReader, read_mix, run_extract
-from eagle3data.params import load_params
+from eagle3data.export import handoff as HO
+from eagle3data.hidden.extract import HiddenReader, read_mix, run_extract
+from eagle3data.core.params import load_params
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def model(ci_run):
-    from eagle3data.models import model_for
+    from eagle3data.core.models import model_for
 
     return model_for(ci_run)
 
@@ -179,7 +179,7 @@ def test_the_matching_layout_is_hardlinked_not_copied(stores):
 
 
 def test_the_estimate_states_each_hand_off_before_04_runs(ci_run, tmp_path):
-    from eagle3data import hidden as H
+    from eagle3data.hidden import extract as H
 
     shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
     for layout, link in (("shards", None), ("specforge", "specforge"), ("speculators", "speculators")):
@@ -208,7 +208,7 @@ def test_a_mix_sample_missing_from_the_store_stops_the_hand_off(stores, tmp_path
 
 
 def test_04_records_its_final_state_and_refuses_a_store_of_another_kind(stores, ci_run, model, tmp_path, monkeypatch):
-    from eagle3data.hidden import AUX_NAMES, HiddenError
+    from eagle3data.hidden.extract import AUX_NAMES, HiddenError
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -286,8 +286,8 @@ def test_specforge_loads_the_tied_target_head_itself(stores, model):
     model.safetensors, so SpecForge needs an index and the embedding's key, which the export gives it."""
     from specforge.modeling.target.target_head import TargetHead
 
-    from eagle3data.export import _bytes
-    from eagle3data.models import resolve_model_path
+    from eagle3data.export.run import _bytes
+    from eagle3data.core.models import resolve_model_path
 
     p, res, mix, exp = stores["specforge"]
     out = p.run_dir / "export" / "specforge"
@@ -470,7 +470,7 @@ def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.data import ArrowDataset, CollateFn
 
-    from eagle3data.models import resolve_model_path
+    from eagle3data.core.models import resolve_model_path
 
     p, res, mix, exp = stores["speculators"]
     out = p.run_dir / "export" / "speculators"

@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3data import hidden as H
-from eagle3data.hidden import HiddenError, HiddenReader, plan_batches, run_extract
-from eagle3data.mix import read_mix, source_sequences
-from eagle3data.params import load_params
+from eagle3data.hidden import extract as H
+from eagle3data.hidden.extract import HiddenError, HiddenReader, plan_batches, run_extract
+from eagle3data.hidden.mix import read_mix, source_sequences
+from eagle3data.core.params import load_params
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def model(ci_run):
-    from eagle3data.models import model_for
+    from eagle3data.core.models import model_for
 
     return model_for(ci_run)
 

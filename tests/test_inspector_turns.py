@@ -15,12 +15,12 @@ import orjson
 import pytest
 import torch
 
-from eagle3data.audit import run_audit
-from eagle3data.generate import run_generate
-from eagle3data.inspector import failing_records, history_labels, inspect_record
-from eagle3data.params import load_params
-from eagle3data.profiles import QWEN3
-from eagle3data.records import scan_journal
+from eagle3data.audit.run import run_audit
+from eagle3data.generate.run import run_generate
+from eagle3data.audit.inspector import failing_records, history_labels, inspect_record
+from eagle3data.core.params import load_params
+from eagle3data.core.profiles import QWEN3
+from eagle3data.core.records import scan_journal
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",

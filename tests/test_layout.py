@@ -1,5 +1,6 @@
-"""The library's shape, enforced: no import cycles, no module far over 600 lines, no hand-built sample
-key, no test-only or dead names. (The package layout of issue 22 is not done yet: see its note.)
+"""The library's shape, enforced: the pipeline's packages import only backwards, no import cycles, no
+module far over 600 lines, no hand-built sample key, no test-only or dead names, each package says what
+it owns.
 
 A cycle is how a production loader came to import the test tokenizer; a key built by hand is how every
 API conversation was dropped from training; a second home of a concern is where records get lost.
@@ -13,6 +14,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "lib" / "eagle3data"
+# the pipeline, in order: a package imports the core, the packages before it and itself, never one after it
+ORDER = ["core", "prompts", "generate", "rebuild", "audit", "hidden", "export"]
+ENTRY = {"eagle3data", "eagle3data.__main__", "eagle3data.cli", "eagle3data.preflight"}  # may import any stage
+# the one import against the order, with its reason
+ALLOWED = {("eagle3data.core.params", "eagle3data.prompts.formats"):
+           "params validate a dataset's format name against the one registry of formats"}
 MAX_LINES = 700  # the issue asks 600: seven modules are still over it (issue 22, structure: open)
 # public names kept for users although nothing in the project calls them, with the reason
 PUBLIC_API = {"register_tokenizer": "the tokenizer plug-in hook (EAGLE3DATA_PLUGINS, docs/01)"}
@@ -49,6 +56,50 @@ def _imports(inside_functions: bool = True) -> dict[str, set[str]]:
                 deps.update(a.name for a in n.names if a.name.startswith("eagle3data"))
         graph[mod] = deps
     return {m: {d for d in ds if d in graph and d != m} for m, ds in graph.items()}
+
+
+def _package(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ORDER) else None
+
+
+def test_every_module_lives_in_a_stage_package_or_is_an_entry_point():
+    loose = [m for m in _modules() if m not in ENTRY and _package(m) not in ORDER]
+    assert not loose, f"modules outside the pipeline's packages {ORDER}: {loose}"
+
+
+def test_each_package_says_what_it_owns_and_may_import():
+    for name in ORDER:
+        init = LIB / name / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert len(doc) > 120 and "May import" in doc, f"{init}: a paragraph on what it owns and what it may import"
+        assert len(ast.parse(init.read_text(encoding="utf-8")).body) == 1, f"{init}: the docstring only (no re-exports)"
+
+
+def _against_the_order(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in graph.items():
+        if mod in ENTRY:
+            continue
+        own = ORDER.index(_package(mod))
+        for d in deps:
+            if (mod, d) in ALLOWED:
+                continue
+            if d in ENTRY:
+                bad.append(f"{mod} -> {d} (an entry point)")
+            elif (dp := _package(d)) is not None and ORDER.index(dp) > own:
+                bad.append(f"{mod} -> {d} ({dp} comes after {ORDER[own]})")
+    return sorted(bad)
+
+
+def test_packages_import_only_the_core_and_earlier_stages():
+    bad = _against_the_order(_imports())
+    assert not bad, "imports against the pipeline's direction: " + "; ".join(bad)
+
+
+def test_the_direction_check_can_fail():
+    assert _against_the_order({"eagle3data.core.reader": {"eagle3data.hidden.mix"}}) == [
+        "eagle3data.core.reader -> eagle3data.hidden.mix (hidden comes after core)"]
 
 
 def test_no_import_cycles_in_lib():
@@ -96,7 +147,7 @@ def _hand_built_keys(source: str) -> list[int]:
 
 
 def test_no_sample_key_is_built_by_hand_in_lib():
-    home = LIB / "reader.py"
+    home = LIB / "core" / "reader.py"
     bad = {f"{p.relative_to(LIB)}:{ln}" for p in LIB.rglob("*.py") if p != home
            for ln in _hand_built_keys(p.read_text(encoding="utf-8"))}
     assert not bad, f"sample keys built by hand (use SampleKey.of(row)): {sorted(bad)}"

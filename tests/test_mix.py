@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3data.mix import MixError, build_mix, read_mix
-from eagle3data.params import load_params
+from eagle3data.hidden.mix import MixError, build_mix, read_mix
+from eagle3data.core.params import load_params
 from runfiles import make_record as _rec
 from runfiles import write_jsonl as _write
 
@@ -211,7 +211,7 @@ def test_weights_must_name_every_dataset_and_leave_something(weighted):
 
 @pytest.mark.parametrize("weights, message", [({"a": -1}, "finite and >= 0"), ({"a": 0, "b": 0}, "all 0")])
 def test_bad_weights_are_params_errors(tmp_path, weights, message):
-    from eagle3data.params import ParamsError
+    from eagle3data.core.params import ParamsError
 
     with pytest.raises(ParamsError, match=message):
         _params(tmp_path, **{"hidden.dataset_weights": weights})
@@ -317,7 +317,7 @@ def test_train_turns_last_keeps_each_conversations_last_usable_turn(turns_run):
 
 
 def test_export_follows_the_last_turn_mix(turns_run):
-    from eagle3data.export import select_samples
+    from eagle3data.export.run import select_samples
 
     p = _turn_params(turns_run.output_root, **{"hidden.train_turns": "last"})
     built = select_samples(p)  # no hidden/mix.parquet: built with the mix rule

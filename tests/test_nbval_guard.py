@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _prepare(tmp: Path, mutate: bool) -> Path:
-    from eagle3data.generate import run_generate
-    from eagle3data.params import load_params
-    from eagle3data.reconstruct import run_reconstruct
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.params import load_params
+    from eagle3data.rebuild.run import run_reconstruct
 
     cfg = yaml.safe_load((REPO / "tests/fixtures/nbval.yaml").read_text())
     cfg["output_root"] = str(tmp / "outputs" / ".nbval")

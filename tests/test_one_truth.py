@@ -15,16 +15,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-from eagle3data.audit import run_audit
-from eagle3data.export import run_export
-from eagle3data.hidden import HiddenReader, run_extract
-from eagle3data.mix import DROP_REASONS, read_mix
-from eagle3data.params import load_params
-from eagle3data.profiles import SMOLLM2
-from eagle3data.prompts import Prompt, template_prompt
-from eagle3data.reader import SampleKey, read_rebuilt, read_verdicts
-from eagle3data.reconstruct import run_reconstruct
-from eagle3data.spans import output_texts
+from eagle3data.audit.run import run_audit
+from eagle3data.export.run import run_export
+from eagle3data.hidden.extract import HiddenReader, run_extract
+from eagle3data.hidden.mix import DROP_REASONS, read_mix
+from eagle3data.core.params import load_params
+from eagle3data.core.profiles import SMOLLM2
+from eagle3data.prompts.load import Prompt, template_prompt
+from eagle3data.core.reader import SampleKey, read_rebuilt, read_verdicts
+from eagle3data.rebuild.run import run_reconstruct
+from eagle3data.core.spans import output_texts
 from runfiles import key as skey
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def model(ci_run):
-    from eagle3data.models import model_for
+    from eagle3data.core.models import model_for
 
     return model_for(ci_run)
 

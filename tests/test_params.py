@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3data.params import ParamsError, load_params
+from eagle3data.core.params import ParamsError, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 

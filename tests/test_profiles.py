@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from eagle3data.profiles import KIMI_K25, PROFILES, QWEN3, SMOLLM2, ProfileError, Token, aux_layers, get_profile
+from eagle3data.core.profiles import KIMI_K25, PROFILES, QWEN3, SMOLLM2, ProfileError, Token, aux_layers, get_profile
 
 
 def test_smollm2_profile_matches_embedded_tokenizer(smollm2_tokenizer):

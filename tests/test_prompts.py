@@ -2,8 +2,8 @@
 
 import json
 
-from eagle3data.profiles import QWEN3, SMOLLM2
-from eagle3data.prompts import (Prompt, builtin_datasets, load_prompts, messages_for_template, template_prompt,
+from eagle3data.core.profiles import QWEN3, SMOLLM2
+from eagle3data.prompts.load import (Prompt, builtin_datasets, load_prompts, messages_for_template, template_prompt,
                                 template_prompts)
 
 GOOD = {"sample_id": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -69,7 +69,7 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def _ci_params(tmp_path, datasets):
-    from eagle3data.params import load_params
+    from eagle3data.core.params import load_params
 
     return load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path / "out"), "datasets": datasets})
 
@@ -88,8 +88,8 @@ def test_a_line_cut_in_half_says_the_line_is_cut_off(tmp_path):
 def test_params_validation_names_a_missing_file_and_a_parquet_file_named_jsonl(tmp_path):
     import pytest
 
-    from eagle3data.params import ParamsError
-    from eagle3data.prompts import check_dataset_files
+    from eagle3data.core.params import ParamsError
+    from eagle3data.prompts.load import check_dataset_files
 
     parquet_as_jsonl = tmp_path / "oci.jsonl"
     parquet_as_jsonl.write_bytes((REPO / "tests/fixtures/formats/opencodeinstruct.parquet").read_bytes())
@@ -112,8 +112,8 @@ def test_params_validation_names_a_missing_file_and_a_parquet_file_named_jsonl(t
 def test_zero_usable_prompts_or_too_many_rejected_stop_the_run_and_print_the_reasons(tmp_path, capsys):
     import pytest
 
-    from eagle3data.generate import _check_prompt_sets
-    from eagle3data.prompts import PromptDataError, load_datasets
+    from eagle3data.generate.run import _check_prompt_sets
+    from eagle3data.prompts.load import PromptDataError, load_datasets
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"sample_id": 1, "messages": [{"role": "user", "content": "cut\n{"sample_id": 2}\n')

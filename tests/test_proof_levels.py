@@ -16,11 +16,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from eagle3data.params import ReconstructParams, load_params
-from eagle3data.profiles import QWEN3, SMOLLM2
-from eagle3data.provider_tokens import span_ids
-from eagle3data.reconstruct import calibrate, measure_drift, reconstruct_records
-from eagle3data.rebuild import PROOF_LEVELS, ApiTurn, prompt_reasoning_state, rebuild_batch
+from eagle3data.core.params import ReconstructParams, load_params
+from eagle3data.core.profiles import QWEN3, SMOLLM2
+from eagle3data.rebuild.provider_tokens import span_ids
+from eagle3data.rebuild.run import calibrate, measure_drift, reconstruct_records
+from eagle3data.rebuild.text import PROOF_LEVELS, ApiTurn, prompt_reasoning_state, rebuild_batch
 from runfiles import logprob_entries, synthetic_api_record
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -365,7 +365,7 @@ def test_calibration_learns_a_plus_one_end_of_turn_offset_and_flags_a_record_off
 
 
 def test_calibration_refuses_a_scattered_or_large_offset(qwen):
-    from eagle3data.rebuild import Rebuilt
+    from eagle3data.rebuild.text import Rebuilt
 
     def rb(d):
         return Rebuilt([1], "x", [], True, None, True, 10, d)
@@ -392,8 +392,8 @@ def test_billed_reasoning_tokens_are_checked_against_the_reasoning_span(vocab):
 
 
 def test_loopback_logprobs_become_token_records(tmp_path, smollm2_tokenizer, monkeypatch):
-    from eagle3data.generate import run_generate
-    from eagle3data.reconstruct import run_reconstruct
+    from eagle3data.generate.run import run_generate
+    from eagle3data.rebuild.run import run_reconstruct
     from loopback import LoopbackServer
     from test_generate_http import KEY_ENV, make_params
 
@@ -425,7 +425,7 @@ def test_loopback_logprobs_become_token_records(tmp_path, smollm2_tokenizer, mon
 
 
 def test_logprobs_params_need_require_parameters():
-    from eagle3data.params import OpenAIParams
+    from eagle3data.core.params import OpenAIParams
 
     with pytest.raises(ValueError, match="require_parameters"):
         OpenAIParams(base_url="http://x", model="m", logprobs=True, provider={"require_parameters": False})
@@ -449,7 +449,7 @@ def _run_with_levels(tmp_path, **over):
 
 
 def test_mix_takes_a_minimum_proof_level(tmp_path):
-    from eagle3data.mix import DROP_REASONS, build_mix
+    from eagle3data.hidden.mix import DROP_REASONS, build_mix
 
     assert list(DROP_REASONS).index("proof_too_low") == list(DROP_REASONS).index("audit_failed") + 1
     mix = build_mix(_run_with_levels(tmp_path / "a"), write=False)
@@ -463,7 +463,7 @@ def test_mix_takes_a_minimum_proof_level(tmp_path):
 
 
 def test_audit_meta_shows_the_proof_level(tmp_path):
-    from eagle3data.idtable import load_run
+    from eagle3data.audit.idtable import load_run
 
     p = _run_with_levels(tmp_path)
     t = load_run(p.run_dir)
@@ -472,7 +472,7 @@ def test_audit_meta_shows_the_proof_level(tmp_path):
 
 
 def test_reasoning_counts_zero_or_scattered_are_not_used(qwen):
-    from eagle3data.rebuild import Rebuilt
+    from eagle3data.rebuild.text import Rebuilt
 
     turn = ApiTurn("\nSome reasoning here.\n", "Done.", prompt_ids=[1])
     n = billed(qwen, QWEN3, turn)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3data.profiles import QWEN3
+from eagle3data.core.profiles import QWEN3
 
 ADVERSARIAL = [
     "e\u0301te\u0301 cafe\u0301 A\u030a",  # combining characters (NFC composes them)
@@ -52,7 +52,7 @@ def test_qwen3_fast_tokenizer_matches_the_package_tiktoken(qwen, qwen_tiktoken, 
 
 
 def test_qwen3_matches_tiktoken_on_the_shipped_prompts(qwen, qwen_tiktoken):
-    from eagle3data.prompts import builtin_datasets, load_prompts
+    from eagle3data.prompts.load import builtin_datasets, load_prompts
 
     texts = [m["content"] for name in builtin_datasets() for p in load_prompts(f"builtin:{name}").prompts
              for m in p.messages]

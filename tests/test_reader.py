@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3data.export import ExportError, select_samples
-from eagle3data.mix import MixError, build_mix
-from eagle3data.params import load_params
-from eagle3data.reader import (RunFileError, SampleKey, read_jsonl, read_rebuilt, read_run, read_verdicts, resolve,
+from eagle3data.export.run import ExportError, select_samples
+from eagle3data.hidden.mix import MixError, build_mix
+from eagle3data.core.params import load_params
+from eagle3data.core.reader import (RunFileError, SampleKey, read_jsonl, read_rebuilt, read_run, read_verdicts, resolve,
                                supersede_rule)
 from runfiles import key as skey
 from runfiles import make_record as _rec
@@ -156,9 +156,9 @@ def test_read_jsonl_names_file_and_line(tmp_path):
 
 def test_rebuilt_turns_keep_their_own_key(smollm2_tokenizer):
     """02's line of an API turn carries the turn, so two turns of one conversation stay two samples."""
-    from eagle3data.params import ReconstructParams
-    from eagle3data.profiles import SMOLLM2
-    from eagle3data.reconstruct import reconstruct_records
+    from eagle3data.core.params import ReconstructParams
+    from eagle3data.core.profiles import SMOLLM2
+    from eagle3data.rebuild.run import reconstruct_records
     from runfiles import synthetic_api_record
 
     recs = [dict(synthetic_api_record("d", 5, reasoning=None, content=f"Answer {t}.", profile="smollm2",

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import pytest
 
-from eagle3data.profiles import QWEN3, SMOLLM2
-from eagle3data.stats import wilson_interval
-from eagle3data.reconstruct import measure_drift, tool_call
-from eagle3data.rebuild import ApiTurn, rebuild_batch
+from eagle3data.core.profiles import QWEN3, SMOLLM2
+from eagle3data.core.stats import wilson_interval
+from eagle3data.rebuild.run import measure_drift, tool_call
+from eagle3data.rebuild.text import ApiTurn, rebuild_batch
 
 # SmolLM2 has no think or tool-call tokens: SMOL_REASONING borrows its unused added tokens so
 # the reasoning, guard and Kimi-style tool-call paths run on that vocabulary too.
@@ -216,7 +216,7 @@ def _mixed_turns(prof):
 
 
 def test_seam_fast_path_agrees_with_the_full_offset_scan(vocab):
-    from eagle3data.rebuild import _assemble, _join, _seam_by_offsets, _seam_diff_by_offsets, _special_texts
+    from eagle3data.rebuild.text import _assemble, _join, _seam_by_offsets, _seam_diff_by_offsets, _special_texts
 
     tok, prof = vocab
     bad = _overlapping(tok, "zq" + prof.end_of_turn.text[:4])
@@ -295,7 +295,7 @@ def test_wilson_interval():
 
 def _both_roundtrips(tok, prof, turns, monkeypatch):
     """rebuild_batch with the byte-table roundtrip and with decode_batch (same turns)."""
-    import eagle3data.rebuild as rec  # rebuild_batch reads its own module's threshold
+    import eagle3data.rebuild.text as rec  # rebuild_batch reads its own module's threshold
 
     monkeypatch.setattr(rec, "BYTE_TABLE_MIN_RECORDS", 0)
     fast = rebuild_batch(turns, tok, prof)
@@ -305,7 +305,7 @@ def _both_roundtrips(tok, prof, turns, monkeypatch):
 
 
 def test_byte_table_roundtrip_gives_the_decode_verdict(vocab, monkeypatch):
-    from eagle3data.rebuild import _byte_table
+    from eagle3data.rebuild.text import _byte_table
 
     tok, prof = vocab
     assert _byte_table(tok.backend_tokenizer) is not None  # both vocabularies decode with ByteLevel
@@ -321,7 +321,7 @@ def test_byte_table_roundtrip_gives_the_decode_verdict(vocab, monkeypatch):
 def test_byte_table_covers_added_tokens_outside_the_byte_alphabet(smollm2_tokenizer, monkeypatch):
     from tokenizers import AddedToken
 
-    from eagle3data.rebuild import _byte_table
+    from eagle3data.rebuild.text import _byte_table
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.add_tokens([AddedToken("naïve→", normalized=False), AddedToken("<ünï>", special=True)])
@@ -334,7 +334,7 @@ def test_byte_table_covers_added_tokens_outside_the_byte_alphabet(smollm2_tokeni
 def test_no_byte_table_without_a_byte_level_decoder(smollm2_tokenizer, monkeypatch):
     from tokenizers import decoders
 
-    from eagle3data.rebuild import _byte_table
+    from eagle3data.rebuild.text import _byte_table
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.backend_tokenizer.decoder = decoders.Metaspace()
@@ -348,7 +348,7 @@ def test_no_byte_table_without_a_byte_level_decoder(smollm2_tokenizer, monkeypat
 
 
 def test_assemble_with_the_tokenizer_flags_any_added_token_text(vocab):
-    from eagle3data.rebuild import assemble
+    from eagle3data.rebuild.text import assemble
 
     tok, prof = vocab
     turn = ApiTurn("r", "before <|im_start|> after", billed_tokens=None)
@@ -387,11 +387,11 @@ def test_drift_is_reported_per_proof_level(vocab):
 
 
 def test_run_writes_levels_calibration_and_tables(tmp_path, qwen):
-    from eagle3data.params import load_params
-    from eagle3data.reconstruct import run_reconstruct
-    from eagle3data.rebuild import PROOF_LEVELS, FLAGS
+    from eagle3data.core.params import load_params
+    from eagle3data.rebuild.run import run_reconstruct
+    from eagle3data.rebuild.text import PROOF_LEVELS, FLAGS
     from runfiles import synthetic_api_record
-    from eagle3data.records import Journal
+    from eagle3data.core.records import Journal
 
     params = load_params("params/ci.yaml", {"output_root": str(tmp_path), "profile": "qwen3"})
     recs = []

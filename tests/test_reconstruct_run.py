@@ -7,10 +7,10 @@ import shutil
 import orjson
 import pytest
 
-from eagle3data.params import load_params
-from eagle3data.reconstruct import run_reconstruct, tool_call
+from eagle3data.core.params import load_params
+from eagle3data.rebuild.run import run_reconstruct, tool_call
 from runfiles import synthetic_api_record
-from eagle3data.records import Journal
+from eagle3data.core.records import Journal
 
 REPO_PARAMS = "params/ci.yaml"
 

@@ -23,9 +23,9 @@ def _rec(sid, output, dataset="d", **kw) -> dict:
 
 
 def _result(tmp_path: Path, recs: list[dict], ledger: dict | None = None):
-    from eagle3data.audit import audit_table
-    from eagle3data.idtable import read_journal
-    from eagle3data.profiles import SMOLLM2
+    from eagle3data.audit.run import audit_table
+    from eagle3data.audit.idtable import read_journal
+    from eagle3data.core.profiles import SMOLLM2
 
     res = audit_table(read_journal(_journal(tmp_path / "records" / "d.jsonl", recs)), SMOLLM2)
     res.ledger = ledger
@@ -33,7 +33,7 @@ def _result(tmp_path: Path, recs: list[dict], ledger: dict | None = None):
 
 
 def test_zero_records_is_a_banner_not_a_clean_bill(tmp_path):
-    from eagle3data.report import audit_banners
+    from eagle3data.audit.report import audit_banners
 
     html = audit_banners(_result(tmp_path, [], {"datasets": {"d": {"planned": 5, "done": 0}}})).html
     assert "Zero records" in html and "e3-banner-error" in html
@@ -41,7 +41,7 @@ def test_zero_records_is_a_banner_not_a_clean_bill(tmp_path):
 
 
 def test_rejected_prompt_lines_and_failed_checks_banners(tmp_path):
-    from eagle3data.report import audit_banners, ledger_banners
+    from eagle3data.audit.report import audit_banners, ledger_banners
 
     led = {"datasets": {"d": {"planned": 3, "done": 3, "rejected_prompt_lines": [
         "p.jsonl:2: not JSON", "p.jsonl:5: no messages", "p.jsonl:7: no messages", "p.jsonl:9: cut off"]}}}
@@ -55,10 +55,10 @@ def test_rejected_prompt_lines_and_failed_checks_banners(tmp_path):
 
 
 def test_clean_audit_says_so(tmp_path, smollm2_tokenizer):
-    from eagle3data.audit import audit_table
-    from eagle3data.idtable import read_journal
-    from eagle3data.profiles import SMOLLM2
-    from eagle3data.report import audit_banners
+    from eagle3data.audit.run import audit_table
+    from eagle3data.audit.idtable import read_journal
+    from eagle3data.core.profiles import SMOLLM2
+    from eagle3data.audit.report import audit_banners
 
     enc = lambda s: smollm2_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     msgs = [{"role": "user", "content": "Hi."}]
@@ -72,7 +72,7 @@ def test_clean_audit_says_so(tmp_path, smollm2_tokenizer):
 
 
 def test_export_banners():
-    from eagle3data.report import export_banners
+    from eagle3data.audit.report import export_banners
 
     def res(sel, exported=5):
         return SimpleNamespace(manifests={"specforge": {"selection": sel, "exported": exported}})
@@ -84,7 +84,7 @@ def test_export_banners():
 
 
 def test_check_matrix_shows_only_informative_cells(tmp_path):
-    from eagle3data.report import check_matrix_html
+    from eagle3data.audit.report import check_matrix_html
 
     recs = [_rec(i, [5, 6 + i, 2]) for i in range(4)] + [_rec(9, [5, 6])]
     html = check_matrix_html(_result(tmp_path, recs)).html
@@ -97,7 +97,7 @@ def test_check_matrix_shows_only_informative_cells(tmp_path):
 
 
 def test_check_summary_upper95_as_percentage(tmp_path):
-    from eagle3data.report import check_summary_view
+    from eagle3data.audit.report import check_summary_view
 
     v = check_summary_view(_result(tmp_path, [_rec(i, [5, 6 + i, 2]) for i in range(50)]))
     assert v.loc["output.ends_with_eot", "upper95"] == "6.00%"  # 3/50, like the verdict's "(< 6.00%)"
@@ -106,8 +106,8 @@ def test_check_summary_upper95_as_percentage(tmp_path):
 
 
 def test_paths_are_relative(tmp_path):
-    from eagle3data.inspector import shown_record_path
-    from eagle3data.report import shown_path
+    from eagle3data.audit.inspector import shown_record_path
+    from eagle3data.audit.report import shown_path
 
     assert shown_path(REPO / "outputs" / "x" / "records" / "a.jsonl") == "outputs/x/records/a.jsonl"
     assert shown_path(tmp_path / "run" / "records" / "a.jsonl", tmp_path / "run") == "records/a.jsonl"
@@ -116,7 +116,7 @@ def test_paths_are_relative(tmp_path):
 
 
 def test_whitespace_token_markers():
-    from eagle3data.inspector import first_divergence, token_html
+    from eagle3data.audit.inspector import first_divergence, token_html
 
     assert token_html("\n    ") == '<span class="e3-ws">\u21b5\n\u00b7\u00b7\u00b7\u00b7</span>'
     assert token_html(" ") == '<span class="e3-ws">\u00b7</span>'
@@ -132,7 +132,7 @@ def test_plot_legends_outside_and_integer_count_ticks(tmp_path, fn):
     import matplotlib
 
     matplotlib.use("Agg")
-    from eagle3data import plots
+    from eagle3data.audit import plots
 
     recs = [_rec(i, [5] * (3 + i) + [2]) for i in range(6)] + [_rec(7, [5] * 9, finish_reason="length")]
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -154,7 +154,7 @@ def test_plot_legends_outside_and_integer_count_ticks(tmp_path, fn):
 
 
 def test_superseded_lines_table(tmp_path):
-    from eagle3data.report import superseded_html
+    from eagle3data.audit.report import superseded_html
 
     err = {"dataset": "d", "sample_id": 1, "source": "local", "finish_reason": "error", "error": "HTTP 502"}
     res = _result(tmp_path, [err, _rec(1, [5, 6, 2]), _rec(2, [5, 7, 2])])

@@ -123,7 +123,7 @@ def test_probe_tells_a_loaded_plot_from_a_broken_one(tmp_path):
 @needs_chromium
 def test_rendered_report_shows_loaded_plots_and_the_check_table(tmp_path):
     """`render_report` output (code hidden, images inlined) loads its plots and keeps the check table."""
-    from eagle3data.report import render_report
+    from eagle3data.audit.report import render_report
 
     report = render_report(_fake_audit_run(tmp_path / "run"))
     seen = browser_check(report, tmp_path)
@@ -187,11 +187,11 @@ def _whitespace_run(run_dir: Path, tok) -> Path:
     import orjson
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-    from eagle3data.audit import audit_table
-    from eagle3data.idtable import read_journal
-    from eagle3data.inspector import inspect_record
-    from eagle3data.profiles import SMOLLM2
-    from eagle3data.report import HIDE_TAG, audit_banners, check_matrix_html
+    from eagle3data.audit.run import audit_table
+    from eagle3data.audit.idtable import read_journal
+    from eagle3data.audit.inspector import inspect_record
+    from eagle3data.core.profiles import SMOLLM2
+    from eagle3data.audit.report import HIDE_TAG, audit_banners, check_matrix_html
 
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     prompt = enc(tok.apply_chat_template([{"role": "user", "content": "Write f."}], add_generation_prompt=True,
@@ -227,7 +227,7 @@ def _whitespace_run(run_dir: Path, tok) -> Path:
 def test_whitespace_tokens_stay_visible_and_tokens_never_break_in_the_browser(tmp_path, smollm2_tokenizer):
     """The report in Chromium: indentation tokens visible (markers, width), no token split over two lines,
     the roundtrip divergence named and outlined, the matrix scrolls, no figures-for-tests, no absolute path."""
-    from eagle3data.report import render_report
+    from eagle3data.audit.report import render_report
 
     run_dir = _whitespace_run(tmp_path / "run", smollm2_tokenizer)
     report = render_report(run_dir)

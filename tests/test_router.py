@@ -92,9 +92,9 @@ def router(tmp_path):
 def test_two_workers_behind_the_router_one_killed_nothing_lost_or_duplicated(tmp_path, router, smollm2_tokenizer):
     import orjson
 
-    from eagle3data.generate import run_generate
-    from eagle3data.params import load_params
-    from eagle3data.records import Record, scan_journal
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.params import load_params
+    from eagle3data.core.records import Record, scan_journal
 
     url, (w0, w1) = router
     n = 80

@@ -15,12 +15,12 @@ import orjson
 import pytest
 import torch
 
-from eagle3data.audit import run_audit
-from eagle3data.export import select_samples
-from eagle3data.generate import run_generate
-from eagle3data.params import load_params
-from eagle3data.profiles import KIMI_K25, QWEN3
-from eagle3data.records import scan_journal
+from eagle3data.audit.run import run_audit
+from eagle3data.export.run import select_samples
+from eagle3data.generate.run import run_generate
+from eagle3data.core.params import load_params
+from eagle3data.core.profiles import KIMI_K25, QWEN3
+from eagle3data.core.records import scan_journal
 from loopback import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[1]

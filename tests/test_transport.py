@@ -17,7 +17,7 @@ import subprocess
 import httpx
 import pytest
 
-from eagle3data.backends.transport import LeanTransport
+from eagle3data.generate.backends.transport import LeanTransport
 
 
 class Server:
@@ -344,9 +344,9 @@ def test_run_generate_over_https_sends_generation_requests_over_http2(cert, tmp_
     With `generate.http2: false` the same run speaks HTTP/1.1 only (a connection per request in flight)."""
     import orjson
 
-    from eagle3data.generate import run_generate
-    from eagle3data.params import load_params
-    from eagle3data.records import scan_journal
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.params import load_params
+    from eagle3data.core.records import scan_journal
 
     from pathlib import Path
 
@@ -380,9 +380,9 @@ def test_a_server_that_never_completes_the_handshake_times_out_the_warm_up_and_t
     the run finished) instead of the run hanging before its first request."""
     import orjson
 
-    from eagle3data.generate import run_generate
-    from eagle3data.params import load_params
-    from eagle3data.records import scan_journal
+    from eagle3data.generate.run import run_generate
+    from eagle3data.core.params import load_params
+    from eagle3data.core.records import scan_journal
 
     from pathlib import Path
 

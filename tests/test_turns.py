@@ -24,16 +24,16 @@ import orjson
 import pytest
 import torch
 
-from eagle3data.audit import run_audit
-from eagle3data.generate import run_generate
-from eagle3data.ledger import read_ledger
-from eagle3data.mix import build_mix
-from eagle3data.params import load_params
-from eagle3data.profiles import KIMI_K25, QWEN3
-from eagle3data.prompts import Prompt, template_prompt
-from eagle3data.reader import SampleKey, read_run
-from eagle3data.records import scan_journal
-from eagle3data.turns import assistant_message, conversation_turns
+from eagle3data.audit.run import run_audit
+from eagle3data.generate.run import run_generate
+from eagle3data.generate.ledger import read_ledger
+from eagle3data.hidden.mix import build_mix
+from eagle3data.core.params import load_params
+from eagle3data.core.profiles import KIMI_K25, QWEN3
+from eagle3data.prompts.load import Prompt, template_prompt
+from eagle3data.core.reader import SampleKey, read_run
+from eagle3data.core.records import scan_journal
+from eagle3data.generate.turns import assistant_message, conversation_turns
 from loopback import LoopbackServer
 from runfiles import key as skey
 
@@ -379,7 +379,7 @@ def test_openai_turns_send_earlier_replies_back_as_the_api_takes_them(qwen, tmp_
     assert c1["messages"][1]["content"] == conv["c"][0]["content"] != CONVERSATIONS["c"][1]["content"]
     assert json.dumps(c1["messages"], sort_keys=True) in by_msgs
     if field is None:
-        from eagle3data.backends.openai_api import history_reasoning_field
+        from eagle3data.generate.backends.openai_api import history_reasoning_field
 
         api = params.generate.openai
         by_host = {u: history_reasoning_field(api.model_copy(update={"base_url": u})) for u in (
@@ -596,7 +596,7 @@ def test_kimi_history_golden(kimi, tmp_path):
 def test_vllm_turn_by_turn_prompts_hold_the_models_own_replies(tmp_path, smollm2_tokenizer):
     """vLLM (`/v1/completions` with token-id prompts): each turn's prompt ids, as sent, render the model's own
     earlier replies (SmolLM2's template), never the dataset's."""
-    from eagle3data.profiles import SMOLLM2
+    from eagle3data.core.profiles import SMOLLM2
 
     convs = {f"v{i}": [m for k in range(2) for m in ({"role": "user", "content": f"question {k} of chat {i}"},
                                                        {"role": "assistant", "content": f"DATASET reply {k}"})]

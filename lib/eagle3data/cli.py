@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from .errors import UserInputError
+from eagle3data.core.errors import UserInputError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -86,12 +86,12 @@ def _log_has_news(log: Path) -> bool:
 
 # ------------------------------------------------------------------ checks before any work
 
-from .preflight import ready_problems  # noqa: E402  (kept importable from here)
+from eagle3data.preflight import ready_problems  # noqa: E402  (kept importable from here)
 
 
 def rejected_prompt_report(run_dir: Path, k: int = 3) -> list[str]:
     """From 01's ledger: per dataset with rejected prompt lines, the count and the first k (for the terminal)."""
-    from .ledger import read_ledger
+    from eagle3data.generate.ledger import read_ledger
 
     try:
         led = read_ledger(run_dir) or {}
@@ -216,7 +216,7 @@ class StageWatch(threading.Thread):
         self._stop_event = threading.Event()
 
     def current(self) -> str | None:
-        from .progress import read_progress
+        from eagle3data.core.progress import read_progress
 
         p = read_progress(self.run_dir)
         if p and p.get("stage") == self.stage and float(p.get("updated_at") or 0) >= self.t0 and p.get("line"):
@@ -260,8 +260,8 @@ def execute_notebook(stage: str, params_file: Path, overrides: dict[str, str], o
     """Run one stage notebook through papermill; save the executed copy and its HTML."""
     import papermill as pm
 
-    from .params import repo_root
-    from .report import notebook_to_html
+    from eagle3data.core.params import repo_root
+    from eagle3data.audit.report import notebook_to_html
 
     src = repo_root() / "notebooks" / f"{stage}.ipynb"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +300,7 @@ def _resume_command(args: argparse.Namespace, stages: list[str]) -> str:
 def _stage_outcome(run_dir: Path, stage: str) -> tuple[str, str]:
     """(status, summary) of a stage that ended after a stop request."""
     if stage == "01_generate":
-        from .ledger import read_ledger
+        from eagle3data.generate.ledger import read_ledger
 
         led = read_ledger(run_dir) or {}
         ds = (led.get("datasets") or {}).values()
@@ -312,8 +312,8 @@ def _stage_outcome(run_dir: Path, stage: str) -> tuple[str, str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .generate import CLI_RUN_ENV
-    from .params import load_params
+    from eagle3data.generate.run import CLI_RUN_ENV
+    from eagle3data.core.params import load_params
 
     overrides = dict(args.p or [])
     params_file = Path(args.params).resolve()
@@ -402,7 +402,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if control.reason is not None:
             control.stop_file.unlink(missing_ok=True)
     if "03_audit" in stages:
-        from .report import render_report
+        from eagle3data.audit.report import render_report
 
         report = render_report(run_dir)
         print(f"report: {_shown_path(report)}")
@@ -433,7 +433,7 @@ def _report_stop(args: argparse.Namespace, control: RunControl, left: list[str],
 
 def _find_run_dir(run: str) -> Path:
     """A run folder from `outputs/NAME`, a folder path, a run name, or the params file of the run."""
-    from .params import load_params, repo_root
+    from eagle3data.core.params import load_params, repo_root
 
     p = Path(run)
     if p.suffix in (".yaml", ".yml") and p.exists():
@@ -466,8 +466,8 @@ def _run_state(run_dir: Path) -> dict[str, Any]:
     """Who is working on the run: the `run` command's lock, the stage's progress.json, the ledger."""
     import orjson
 
-    from .ledger import read_ledger
-    from .progress import read_progress
+    from eagle3data.generate.ledger import read_ledger
+    from eagle3data.core.progress import read_progress
 
     lock = None
     if (run_dir / RUN_LOCK).exists():
@@ -487,7 +487,7 @@ def _run_state(run_dir: Path) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .ledger import ledger_frame
+    from eagle3data.generate.ledger import ledger_frame
 
     run_dir = _find_run_dir(args.run)
     st = _run_state(run_dir)
@@ -534,7 +534,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     print(f"wrote {_shown_path(stop_file)}: the run starts no new work, lets what is in flight finish "
           f"and be journaled, then exits 3 (`eagle3data status {args.run}` to watch)")
     if args.now:
-        from .ledger import read_ledger
+        from eagle3data.generate.ledger import read_ledger
 
         for _ in range(100):  # the stage notices the STOP file within its ledger interval
             led = read_ledger(run_dir) or {}
@@ -548,13 +548,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:
-    from .prompts import prompts_cli
+    from eagle3data.prompts.load import prompts_cli
 
     return prompts_cli(args.path, args.format, split=args.split, subset=args.subset, show=args.show, out=args.out)
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from .models import prepare_embedded
+    from eagle3data.core.models import prepare_embedded
 
     print(prepare_embedded(args.name, force=args.force))
     return 0
@@ -574,8 +574,8 @@ class StageFailed(UserError):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stage 01 without papermill (what notebook 01 runs): preflight, generate, the ledger table."""
-    from .generate import run_generate  # the stage's stack (tokenizers, HTTP clients) only for this command
-    from .params import load_params
+    from eagle3data.generate.run import run_generate  # the stage's stack (tokenizers, HTTP clients) only for this command
+    from eagle3data.core.params import load_params
 
     params = load_params(args.params, dict(args.p or []))
     problems = ready_problems(params, ["01_generate"])
@@ -589,14 +589,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from .audit import audit_cli
+    from eagle3data.audit.run import audit_cli
 
     return audit_cli(args.records, profile=args.profile, out=args.out, tokenizer=args.tokenizer,
                      allow_failed=args.allow_failed)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_cli
+    from eagle3data.export.run import export_cli
 
     return export_cli(args.run, fmt=args.format, out=args.out)
 

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .models import EMBEDDED_PREFIX, TOKENIZER_SOURCES, _load_plugins
-from .params import ParamsError
-from .prompts import check_dataset_files
+from eagle3data.core.models import EMBEDDED_PREFIX, TOKENIZER_SOURCES, _load_plugins
+from eagle3data.core.params import ParamsError
+from eagle3data.prompts.load import check_dataset_files
 
 
 def _not_a_folder(path: str) -> bool:

@@ -34,7 +34,7 @@ GOLDENS = {
 
 def reset_fixture_runs() -> list[Path]:
     """Fresh copies of the committed fixture runs under outputs/.nbval/ (what the notebooks read)."""
-    from eagle3data.params import load_params
+    from eagle3data.core.params import load_params
 
     out = []
     for params_file in sorted({p for _, p in GOLDENS.values()}):

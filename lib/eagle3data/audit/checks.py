@@ -1,0 +1,569 @@
+"""03's checks: each a stable name and what it asserts; vectorized id checks over an `IdTable`.
+
+The id checks find every special token of the profile in one pass over the flat output
+array and reason on their positions, so there is no Python loop per record; only the
+tokenizer checks (re-templating, decode->encode roundtrip, text fields against the one split
+of the ids) loop. Statuses per record and check: pass, fail, n/a (the check does not apply
+to this record or profile) and not run (the check needs a tokenizer that was not given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import orjson
+import pandas as pd
+
+from eagle3data.audit.idtable import IdTable
+from eagle3data.core.profiles import Profile
+
+PASS, FAIL, NA, NOT_RUN = 0, 1, 2, 3
+STATUS_NAMES = {PASS: "pass", FAIL: "fail", NA: "n/a", NOT_RUN: "not run"}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One audit check: a stable name, what it asserts, and when it applies."""
+
+    name: str
+    what: str
+    applies: Callable[[Profile], bool] = lambda p: True
+    needs_tokenizer: bool = False
+
+
+def _reasoning(p: Profile) -> bool:
+    return p.is_reasoning
+
+
+def _tools(p: Profile) -> bool:
+    return p.tool_calls is not None
+
+
+def _reasoning_tools(p: Profile) -> bool:
+    return p.is_reasoning and p.tool_calls is not None
+
+
+_CHECK_LIST = [
+    Check("record.complete", "finish_reason is stop or length (not error/abort)"),
+    Check("record.has_ids", "prompt and output ids exist (journal, or 02_reconstruct for API records)"),
+    Check("output.ends_with_eot", "output ends with end-of-turn (the guard token may follow it)"),
+    Check("output.single_eot", "exactly one end-of-turn in the output (none when truncated)"),
+    Check("output.single_reasoning_close", "exactly one reasoning-close (at most one when truncated)", _reasoning),
+    Check("output.close_before_eot", "reasoning-close comes before end-of-turn", _reasoning),
+    Check("output.no_reasoning_open", "no reasoning-open inside the output", _reasoning),
+    Check("output.reasoning_nonempty", "at least one reasoning token before reasoning-close", _reasoning),
+    Check("output.answer_nonempty", "at least one token between reasoning-close (or start) and end-of-turn"),
+    Check("output.tool_calls_balanced", "tool-call tokens balanced, in order, before end-of-turn", _tools),
+    Check("output.tool_calls_outside_reasoning", "no tool-call token before reasoning-close", _reasoning_tools),
+    Check("output.ids_in_vocab", "every output id is in [0, vocab_size)"),
+    Check("prompt.ids_in_vocab", "every prompt id is in [0, vocab_size)"),
+    Check("prompt.generation_prompt", "prompt ends with the generation prompt the profile expects"),
+    Check("prompt.tools_present", "every tool of the source is named in the decoded prompt", needs_tokenizer=True),
+    Check("prompt.system_present", "the source's system prompt is in the decoded prompt", needs_tokenizer=True),
+    Check("prompt.retemplate", "prompt ids equal re-templating the source messages", needs_tokenizer=True),
+    Check("prompt.billed_count", "an API record's billed prompt tokens equal its prompt ids' length, after the offset "
+          "calibrated per (provider, dataset) as 02's counts are: the server rendered the prompt we templated"),
+    Check("prompt.on_policy", "a turn's history holds the model's own journaled replies of its earlier turns, in order "
+          "(generate.turns: all), not the dataset's"),
+    Check("text.roundtrip", "encode(decode(output ids)) gives the same ids", needs_tokenizer=True),
+    Check("text.fields_match", "decoded reasoning/answer spans equal the record's reasoning/content",
+          needs_tokenizer=True),
+    Check("dataset.unique_sample_id",
+          "no other completed line of the dataset has this sample_id (a retried error is superseded, not a duplicate)"),
+    Check("dataset.distinct_outputs", "no record with a different prompt has identical output ids"),
+]
+CHECKS: dict[str, Check] = {c.name: c for c in _CHECK_LIST}
+CHECK_NAMES: list[str] = [c.name for c in _CHECK_LIST]
+
+
+
+# --------------------------------------------------------------------------- vectorized id checks
+
+
+_CHUNK = 1 << 18  # elements per step of the scans: the temporaries stay in the CPU cache
+
+
+def _band_scan(ids: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, int]:
+    """One pass over ids: positions of ids in [lo, hi], and the array's min and max (for the vocab check).
+
+    `(id - lo)` read as unsigned is at most `hi - lo` exactly for ids in the band (the
+    subtraction wraps the rest out of it), so the band costs one subtraction and one compare.
+    """
+    if len(ids) == 0:
+        return np.zeros(0, np.int64), 0, -1
+    if ids.dtype not in (np.int32, np.int64) or not (np.iinfo(ids.dtype).min <= lo <= hi <= np.iinfo(ids.dtype).max):
+        ids = ids.astype(np.int64)
+    udt = np.uint32 if ids.dtype == np.int32 else np.uint64
+    n = min(_CHUNK, len(ids))
+    diff, mask = np.empty(n, ids.dtype), np.empty(n, bool)
+    hits, lo_all, hi_all = [], None, None
+    for s in range(0, len(ids), _CHUNK):
+        a = ids[s : s + _CHUNK]
+        d, m = diff[: len(a)], mask[: len(a)]
+        np.subtract(a, ids.dtype.type(lo), out=d, casting="unsafe")
+        np.less_equal(d.view(udt), udt(hi - lo), out=m)
+        h = np.flatnonzero(m)
+        if len(h):
+            hits.append(h + s)
+        amin, amax = a.min(), a.max()
+        lo_all = amin if lo_all is None else min(lo_all, amin)
+        hi_all = amax if hi_all is None else max(hi_all, amax)
+    return (np.concatenate(hits) if hits else np.zeros(0, np.int64)), int(lo_all), int(hi_all)
+
+
+def _events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]
+            ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int, int]:
+    """special_events plus the id array's min and max from the same pass."""
+    if not codes or len(ids) == 0:
+        e = np.zeros(0, np.int64)
+        lo_all, hi_all = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
+        return (e, e.copy(), e.copy()), lo_all, hi_all
+    lo, hi = min(codes), max(codes)
+    lut = np.zeros(hi - lo + 1, np.int16)
+    for tid, c in codes.items():
+        lut[tid - lo] = c
+    pos, lo_all, hi_all = _band_scan(ids, lo, hi)
+    code = lut[ids[pos] - lo].astype(np.int64)
+    keep = code > 0
+    pos, code = pos[keep], code[keep]
+    rec = np.searchsorted(off, pos, side="right") - 1
+    return (rec, pos - off[rec], code), lo_all, hi_all
+
+
+def special_events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All occurrences of the given ids in one pass: (record index, position in record, code).
+
+    The flat array is scanned in cache-sized chunks for ids inside the [min, max] band of
+    the special ids, then a small lookup table maps each hit to its code (0 = not special).
+    """
+    return _events(ids, off, codes)[0]
+
+
+def _out_of_range(ids: np.ndarray, off: np.ndarray, vocab: int, lo_hi: tuple[int, int] | None = None) -> np.ndarray:
+    """Per record: any id outside [0, vocab). Whole-array min/max first; the slow path only on a hit."""
+    n = len(off) - 1
+    bad = np.zeros(n, bool)
+    if len(ids) == 0:
+        return bad
+    lo, hi = lo_hi if lo_hi is not None else (ids.min(), ids.max())
+    if lo >= 0 and hi < vocab:
+        return bad
+    pos = np.flatnonzero((ids < 0) | (ids >= vocab))
+    bad[np.unique(np.searchsorted(off, pos, side="right") - 1)] = True
+    return bad
+
+
+@dataclass
+class Positions:
+    """Per record: where the profile's special tokens sit in the output (-1 = absent)."""
+
+    first_close: np.ndarray
+    first_eot: np.ndarray
+    n_close: np.ndarray
+    n_eot: np.ndarray
+    n_open: np.ndarray
+    reasoning_start: np.ndarray
+    tool_sections: pd.DataFrame  # record, begin, end (positions in the output)
+    events: pd.DataFrame  # record, pos, token
+
+
+def structural_checks(table: IdTable, profile: Profile) -> tuple[dict[str, np.ndarray], Positions]:
+    """The id checks on every record at once; returns status arrays per check and positions."""
+    n = len(table)
+    L = table.output_len
+    fr = table.meta["finish_reason"].to_numpy(dtype=object)
+    trunc = fr == "length"
+    usable = table.has_output & ((fr == "stop") | trunc)
+    ids, off = table.output, table.output_off
+
+    names: list[tuple[str, int]] = [("eot", profile.end_of_turn.id)]
+    for nm in ("guard", "reasoning_open", "reasoning_close"):
+        tok = getattr(profile, nm)
+        if tok is not None:
+            names.append((nm, tok.id))
+    tc = profile.tool_calls
+    tool_names: list[str] = []
+    if tc is not None:
+        for nm in ("section_begin", "call_begin", "argument_begin", "call_end", "section_end"):
+            tok = getattr(tc, nm)
+            if tok is not None:
+                names.append((nm, tok.id))
+                tool_names.append(nm)
+    code_of = {nm: i + 1 for i, (nm, _) in enumerate(names)}
+    K = len(names) + 1
+    (rec, rel, code), ids_lo, ids_hi = _events(ids, off, {tid: code_of[nm] for nm, tid in names})
+
+    counts = np.bincount(rec * K + code, minlength=n * K).reshape(n, K) if n else np.zeros((0, K), np.int64)
+    first = np.full((n, K), -1, np.int64)
+    if len(rec):
+        big = np.full((n, K), np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(big, (rec, code), rel)
+        first = np.where(big == np.iinfo(np.int64).max, -1, big)
+
+    def cnt(nm: str) -> np.ndarray:
+        return counts[:, code_of[nm]] if nm in code_of else np.zeros(n, np.int64)
+
+    def fst(nm: str) -> np.ndarray:
+        return first[:, code_of[nm]] if nm in code_of else np.full(n, -1, np.int64)
+
+    st: dict[str, np.ndarray] = {}
+
+    def status(fail: np.ndarray, na: np.ndarray | None = None) -> np.ndarray:
+        s = np.where(fail, FAIL, PASS).astype(np.int8)
+        s[~usable] = NA
+        if na is not None:
+            s[na] = NA
+        return s
+
+    eot = profile.end_of_turn.id
+    nonempty = L > 0
+    last = np.where(nonempty, ids[np.maximum(off[1:] - 1, 0)] if len(ids) else -1, -1)
+    prev = np.where(L > 1, ids[np.maximum(off[1:] - 2, 0)] if len(ids) else -1, -1)
+    ends = last == eot
+    if profile.guard is not None:
+        ends |= (last == profile.guard.id) & (prev == eot)
+    st["output.ends_with_eot"] = status(~ends, trunc)
+    n_eot, f_eot = cnt("eot"), fst("eot")
+    st["output.single_eot"] = status(np.where(trunc, n_eot != 0, n_eot != 1))
+
+    n_close, f_close = cnt("reasoning_close"), fst("reasoning_close")
+    n_open, f_open = cnt("reasoning_open"), fst("reasoning_open")
+    has_close = n_close > 0
+    if profile.prompt_ends_with_reasoning_open:
+        rstart = np.zeros(n, np.int64)
+        open_bad = n_open > 0
+    else:  # qwen3 style: the output may start with <think>
+        at0 = (n_open >= 1) & (f_open == 0)
+        rstart = np.where(at0, 1, 0)
+        open_bad = (n_open > 1) | ((n_open == 1) & ~at0)
+    if profile.is_reasoning:
+        st["output.single_reasoning_close"] = status(np.where(trunc, n_close > 1, n_close != 1))
+        # a close at or after the first end-of-turn, or any close with no end-of-turn before it
+        last_close = np.full(n, -1, np.int64)
+        if len(rec):
+            cl = code == code_of["reasoning_close"]
+            np.maximum.at(last_close, rec[cl], rel[cl])
+        st["output.close_before_eot"] = status(has_close & (n_eot > 0) & (last_close > f_eot))
+        st["output.no_reasoning_open"] = status(open_bad)
+        st["output.reasoning_nonempty"] = status(
+            np.where(has_close, f_close <= rstart, ~(L > rstart)), ~has_close & ~trunc)
+        astart = np.where(has_close, f_close + 1, 0)
+        answer_na = trunc | ~has_close
+    else:
+        astart = np.zeros(n, np.int64)
+        answer_na = trunc
+    aend = np.where(n_eot > 0, f_eot, L)
+    st["output.answer_nonempty"] = status(aend <= astart, answer_na)
+
+    sections = pd.DataFrame({"record": [], "begin": [], "end": []}, dtype=np.int64)
+    if tc is not None:
+        tcodes = np.array([code_of[nm] for nm in tool_names])
+        is_tool = np.isin(code, tcodes)
+        trec, trel, tcode = rec[is_tool], rel[is_tool], code[is_tool]
+        allowed, allowed_end = _tool_grammar(tc, code_of, K)
+        prev_code = np.zeros(len(tcode), np.int64)  # 0 = start of the record
+        if len(tcode):
+            same = np.r_[False, trec[1:] == trec[:-1]]
+            prev_code[same] = tcode[:-1][same[1:]]
+        bad_step = ~allowed[prev_code, tcode]
+        after_eot = (n_eot[trec] > 0) & (trel > f_eot[trec])
+        bad = np.zeros(n, bool)
+        bad[trec[bad_step | after_eot]] = True
+        if len(tcode):
+            is_last = np.r_[trec[1:] != trec[:-1], True]
+            end_bad = ~allowed_end[tcode[is_last]] & ~trunc[trec[is_last]]
+            bad[trec[is_last][end_bad]] = True
+        st["output.tool_calls_balanced"] = status(bad)
+        if profile.is_reasoning:
+            inside = np.zeros(n, bool)
+            ins = has_close[trec] & (trel < f_close[trec])
+            inside[trec[ins]] = True
+            st["output.tool_calls_outside_reasoning"] = status(inside, ~has_close)
+        b_nm = "section_begin" if tc.section_begin is not None else "call_begin"
+        e_nm = "section_end" if tc.section_end is not None else "call_end"
+        bm, em = tcode == code_of[b_nm], tcode == code_of[e_nm]
+        if bm.sum() == em.sum() and bm.any():
+            sections = pd.DataFrame({"record": trec[bm], "begin": trel[bm], "end": trel[em]})
+        elif bm.any():
+            sections = pd.DataFrame({"record": trec[bm], "begin": trel[bm], "end": trel[bm]})
+
+    oov = _out_of_range(ids, off, profile.vocab_size, (ids_lo, ids_hi))
+    st["output.ids_in_vocab"] = status(oov)
+    poov = _out_of_range(table.prompt, table.prompt_off, profile.vocab_size)
+    s = np.where(poov, FAIL, PASS).astype(np.int8)
+    s[~table.has_prompt] = NA
+    st["prompt.ids_in_vocab"] = s
+
+    tok_name = {c: nm for nm, c in code_of.items()}
+    events = pd.DataFrame({"record": rec, "pos": rel, "token": [tok_name[c] for c in code.tolist()]})
+    pos = Positions(f_close, f_eot, n_close, n_eot, n_open, rstart, sections, events)
+    return st, pos
+
+
+def _tool_grammar(tc: Any, code_of: dict[str, int], K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Allowed (previous tool token -> tool token) steps, and the tokens a record may end on."""
+    allowed = np.zeros((K, K), bool)
+    allowed_end = np.zeros(K, bool)
+    c = code_of
+    call_tail = "argument_begin" if tc.argument_begin is not None else None
+    if tc.section_begin is not None:
+        allowed[0, c["section_begin"]] = True
+        allowed[c["section_end"], c["section_begin"]] = True
+        allowed[c["section_begin"], c["call_begin"]] = True
+        allowed[c["call_end"], c["section_end"]] = True
+        allowed_end[c["section_end"]] = True
+    else:
+        allowed[0, c["call_begin"]] = True
+        allowed_end[c["call_end"]] = True
+    allowed[c["call_end"], c["call_begin"]] = True
+    if call_tail:
+        allowed[c["call_begin"], c[call_tail]] = True
+        allowed[c[call_tail], c["call_end"]] = True
+    else:
+        allowed[c["call_begin"], c["call_end"]] = True
+    return allowed, allowed_end
+
+
+def generation_suffix(tokenizer: Any, profile: Profile) -> list[int]:
+    """Ids the chat template appends as the generation prompt (with the profile's options)."""
+    msgs = [{"role": "user", "content": "x"}]
+    kw = dict(profile.template_kwargs)
+
+    def ids(gen: bool) -> list[int]:
+        r = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True, return_dict=False, **kw)
+        return list(r["input_ids"] if isinstance(r, dict) else r)
+
+    a, b = ids(False), ids(True)
+    if b[: len(a)] != a:
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return b[k:]
+    return b[len(a):]
+
+
+def suffix_check(table: IdTable, suffix: Sequence[int]) -> np.ndarray:
+    """Per record: the prompt ends with `suffix` (vectorized gather of the last k ids)."""
+    k = len(suffix)
+    Lp = table.prompt_len
+    if k == 0 or len(table.prompt) == 0:
+        return np.where(table.has_prompt, PASS if k == 0 else FAIL, NA).astype(np.int8)
+    idx = table.prompt_off[1:, None] - k + np.arange(k)[None, :]
+    idx = np.clip(idx, 0, len(table.prompt) - 1)
+    ok = (Lp >= k) & (table.prompt[idx] == np.asarray(suffix)[None, :]).all(axis=1)
+    s = np.where(ok, PASS, FAIL).astype(np.int8)
+    s[~table.has_prompt] = NA
+    return s
+
+
+def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
+    """Two completed records for one key (`reader.supersede_rule`); identical outputs for different prompts.
+
+    `table` holds one row per key (`idtable.split_superseded`); its meta column `duplicate`
+    marks the records of keys with another completed line. A table read without the rule
+    (every journal line) gets it applied here, on the lines as they are.
+    """
+    n = len(table)
+    meta = table.meta
+    if "duplicate" in meta:
+        dup = meta["duplicate"].to_numpy(dtype=bool)
+    else:
+        from eagle3data.core.reader import supersede_rule
+
+        from eagle3data.audit.idtable import meta_keys
+
+        keys = meta_keys(meta)
+        is_record, d = supersede_rule(keys, meta["finish_reason"].tolist())
+        done = meta["finish_reason"].isin(["stop", "length"]).to_numpy()
+        dup = np.asarray(d, bool) | (~np.asarray(is_record, bool) & done)
+    st = {"dataset.unique_sample_id": np.where(dup, FAIL, PASS).astype(np.int8)}
+
+    L = table.output_len
+    distinct = np.zeros(n, np.int8)
+    usable = table.has_output & (L > 0)
+    distinct[~usable] = NA
+    if usable.sum() > 1:
+        ids, off = table.output, table.output_off
+        # candidates share length and the ids at 9 spread positions (O(records), not O(tokens));
+        # only they are compared in full below
+        rows = np.flatnonzero(usable)
+        start, span = off[:-1][rows], L[rows] - 1
+        sig = pd.DataFrame({"L": L[rows]} | {f"at{k}": ids[start + span * k // 8] for k in range(9)}, index=rows)
+        cand = sig.index[sig.duplicated(keep=False)].to_numpy()
+        if len(cand):
+            oh = [hash(table.output_ids(i).astype(np.int64).tobytes()) for i in cand]
+            ph = [hash(table.prompt_ids(i).astype(np.int64).tobytes()) if table.has_prompt[i]
+                  else hash(orjson.dumps(table.messages[i]) if table.messages else i) for i in cand]
+            g = pd.DataFrame({"rec": cand, "out": oh, "prompt": ph})
+            nprompts = g.groupby("out")["prompt"].transform("nunique")
+            distinct[g.loc[nprompts > 1, "rec"].to_numpy()] = FAIL
+    st["dataset.distinct_outputs"] = distinct
+    return st
+
+
+# --------------------------------------------------------------------------- tokenizer checks
+
+
+def _norm(s: str) -> str:
+    return " ".join(s.split())
+
+
+def tokenizer_checks(table: IdTable, profile: Profile, tokenizer: Any, pos: Positions, *,
+                     roundtrip: bool = True, progress: bool = False) -> dict[str, np.ndarray]:
+    """Checks that need the tokenizer: prompt text, re-templating, roundtrip, text fields."""
+    from eagle3data.prompts.load import Prompt, template_prompt
+    from eagle3data.core.spans import output_texts
+
+    n = len(table)
+    st = {k: np.full(n, NA, np.int8) for k in
+          ("prompt.tools_present", "prompt.system_present", "prompt.retemplate", "text.fields_match")}
+    st["text.roundtrip"] = np.full(n, NA if roundtrip else NOT_RUN, np.int8)
+    fr = table.meta["finish_reason"].to_numpy(dtype=object)
+    usable_out = table.has_output & ((fr == "stop") | (fr == "length"))
+    msgs_all = table.messages or [None] * n
+    tools_all = table.tools or [None] * n
+    rows: Iterable[int] = range(n)
+    if progress:
+        from tqdm.auto import tqdm
+
+        rows = tqdm(rows, desc="tokenizer checks", unit="record")
+    for i in rows:
+        msgs, tools = msgs_all[i], tools_all[i]
+        if table.has_prompt[i]:
+            pids = [int(t) for t in table.prompt_ids(i)]
+            text = None
+            if tools:
+                text = text or _norm(tokenizer.decode(pids, skip_special_tokens=False))
+                names = [(t.get("function") or t).get("name") for t in tools if isinstance(t, dict)]
+                st["prompt.tools_present"][i] = PASS if all(nm and nm in text for nm in names) else FAIL
+            sys_msgs = [m for m in (msgs or []) if isinstance(m, dict) and m.get("role") == "system"
+                        and str(m.get("content") or "").strip()]
+            if sys_msgs:
+                text = text or _norm(tokenizer.decode(pids, skip_special_tokens=False))
+                want = _norm(str(sys_msgs[0]["content"]))[:200]
+                st["prompt.system_present"][i] = PASS if want in text else FAIL
+            if msgs:
+                try:
+                    again = template_prompt(tokenizer, Prompt(str(table.meta.at[i, "dataset"]),
+                                                              table.meta.at[i, "sample_id"], msgs, tools), profile)
+                    st["prompt.retemplate"][i] = PASS if again == pids else FAIL
+                except Exception:  # a template that cannot render these messages is a failure too
+                    st["prompt.retemplate"][i] = FAIL
+        if not usable_out[i]:
+            continue
+        oids = table.output_ids(i)
+        if roundtrip:
+            lst = [int(t) for t in oids]
+            again = tokenizer.encode(tokenizer.decode(lst, skip_special_tokens=False), add_special_tokens=False)
+            st["text.roundtrip"][i] = PASS if list(again) == lst else FAIL
+        reasoning_f = table.reasoning[i] if table.reasoning else None
+        content_f = table.content[i] if table.content else None
+        if reasoning_f is None and content_f is None:
+            continue
+        text = output_texts(oids, profile, tokenizer)  # the one split, as the exact backends write it
+        ok = True
+        if reasoning_f is not None and text.reasoning is not None:
+            ok &= _norm(text.reasoning) == _norm(reasoning_f)
+        if content_f is not None:
+            ok &= _norm(text.content) == _norm(content_f)
+        st["text.fields_match"][i] = PASS if ok else FAIL
+    return st
+
+
+def _reply_view(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """What a history's assistant message says: answer, reasoning, and each tool call (name, arguments)."""
+    calls = tuple((str((c.get("function") or {}).get("name")), str((c.get("function") or {}).get("arguments")))
+                  for c in msg.get("tool_calls") or [] if isinstance(c, dict))
+    return msg.get("content") or "", msg.get("reasoning_content"), calls
+
+
+def billed_prompt_checks(table: IdTable, calibration: dict[str, Any] | None = None
+                         ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """`prompt.billed_count` per record, and the calibration table (one row per (provider, dataset)).
+
+    For API records (`source: api`) with billed `usage.prompt_tokens` and prompt ids: the billed
+    count minus the prompt's length must be the group's offset, learned as 02 learns completion
+    offsets (`stats.calibrated_offset`: the most common difference when enough records agree and it
+    is small, else 0). A record off it was billed for a prompt other than the one we templated (a
+    provider that injects a system prompt, renders tools or the history differently, drops reasoning
+    we kept): its prompt ids are not what the model saw. n/a for engine records and records without a
+    billed count.
+    """
+    from eagle3data.core.params import ReconstructParams
+    from eagle3data.core.stats import calibrated_offset
+
+    cal = dict(ReconstructParams().count_calibration, **(calibration or {}))  # run_audit passes the run's own
+    n = len(table)
+    st = np.full(n, NA, np.int8)
+    m = table.meta
+    if n == 0 or "billed_prompt_tokens" not in m:
+        return {"prompt.billed_count": st}, []
+    billed = pd.to_numeric(m["billed_prompt_tokens"], errors="coerce").to_numpy(dtype=float)
+    api = (m["source"].to_numpy(dtype=object) == "api") & table.has_prompt & ~np.isnan(billed)
+    rows = np.flatnonzero(api)
+    diff = np.zeros(n, np.int64)
+    diff[rows] = billed[rows].astype(np.int64) - table.prompt_len[rows]
+    groups = pd.DataFrame({"provider": m["provider"].iloc[rows].fillna("?").astype(str).to_numpy(),
+                           "dataset": m["dataset"].iloc[rows].astype(str).to_numpy(), "row": rows})
+    out = []
+    for (provider, dataset), g in groups.groupby(["provider", "dataset"], sort=True):
+        r = g["row"].to_numpy()
+        offset, ok, mode, share = calibrated_offset(diff[r].tolist(), **cal)
+        good = diff[r] == offset
+        st[r] = np.where(good, PASS, FAIL)
+        out.append({"provider": provider, "dataset": dataset, "records": len(r), "prompt_offset": offset,
+                    "calibrated": ok, "mode": mode, "mode_share": round(share, 4), "off_offset": int((~good).sum())})
+    return {"prompt.billed_count": st}, out
+
+
+def on_policy_checks(table: IdTable) -> dict[str, np.ndarray]:
+    """`prompt.on_policy` per record: a turn record's history (its `messages`) holds, as its assistant
+    messages in order, exactly the replies of the conversation's turns before it, as their journaled
+    records say (`turns.assistant_message` of their reasoning/content/tool_calls; 03's
+    `text.fields_match` ties those to the ids). A history with the dataset's own reply, a reply of
+    another turn, or an earlier turn without a completed record fails. n/a for records without `turn`."""
+    from eagle3data.generate.turns import assistant_message
+
+    n = len(table)
+    st = np.full(n, NA, np.int8)
+    m = table.meta
+    if n == 0 or "turn" not in m or not m["turn"].notna().any():
+        return {"prompt.on_policy": st}
+    if table.messages is None:
+        return {"prompt.on_policy": np.where(m["turn"].notna().to_numpy(), NOT_RUN, NA).astype(np.int8)}
+    fr = m["finish_reason"].tolist()
+    conv: dict[tuple[str, str], dict[int, int]] = {}
+    for i, (d, sid, t) in enumerate(zip(m["dataset"], m["sample_id"], m["turn"])):
+        if t is not None and t == t:
+            conv.setdefault((str(d), str(sid)), {})[int(t)] = i
+
+    def field(name: str, i: int) -> Any:
+        col = getattr(table, name)
+        return col[i] if col is not None else None
+
+    views: dict[int, tuple[Any, ...]] = {}
+    for turns in conv.values():
+        for t, i in turns.items():
+            hist = [x for x in table.messages[i] or [] if isinstance(x, dict) and x.get("role") == "assistant"]
+            ok = len(hist) == t
+            for k in range(t) if ok else ():
+                j = turns.get(k)
+                if j is None or fr[j] != "stop":
+                    ok = False
+                    break
+                if j not in views:
+                    views[j] = _reply_view(assistant_message({"reasoning": field("reasoning", j),
+                                                              "content": field("content", j),
+                                                              "tool_calls": field("tool_calls", j)}))
+                if _reply_view(hist[k]) != views[j]:
+                    ok = False
+                    break
+            st[i] = PASS if ok else FAIL
+    return {"prompt.on_policy": st}
+
+
+def iter_checks(profile: Profile) -> Iterable[Check]:
+    """The checks that apply to a profile."""
+    return (c for c in _CHECK_LIST if c.applies(profile))

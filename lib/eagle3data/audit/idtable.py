@@ -1,0 +1,617 @@
+"""Records as flat id arrays: the audit's fast reader of journals into an `IdTable`.
+
+A journal line is mostly its two id lists. Materialising them as Python ints is what makes
+`json.loads` (and orjson) slow, so the fast reader cuts each top-level id list out of the
+line, parses the rest with orjson and all the cut list texts at once with numpy. Whatever
+it cannot prove it read exactly goes through orjson as a whole line, the reference reader.
+Which line of a key is the record is decided by `reader.supersede_rule` (`split_superseded`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import orjson
+import pandas as pd
+
+from eagle3data.core.errors import UserInputError
+from eagle3data.core.reader import RunFileError, SampleKey, read_rebuilt, supersede_rule
+
+
+class AuditInputError(UserInputError, ValueError):
+    """Audit input cannot be read; the message names the file, line and field."""
+
+
+META_COLUMNS = ["dataset", "sample_id", "source", "provider", "finish_reason", "ids_exact", "profile", "model", "turn"]
+
+
+@dataclass
+class IdTable:
+    """Records as flat id arrays with offsets, plus per-record metadata.
+
+    `output[output_off[i]:output_off[i+1]]` are record i's output ids; `has_output[i]` is
+    False where the record had none (null). `messages`, `tools`, `reasoning`, `content` are
+    per-record Python lists, present only when read with `source_fields=True`.
+    """
+
+    meta: pd.DataFrame
+    prompt: np.ndarray
+    prompt_off: np.ndarray
+    has_prompt: np.ndarray
+    output: np.ndarray
+    output_off: np.ndarray
+    has_output: np.ndarray
+    messages: list | None = None
+    tools: list | None = None
+    reasoning: list | None = None
+    content: list | None = None
+    loss_mask: list | None = None
+    tool_calls: list | None = None
+    bad_lines: list[str] = field(default_factory=list)
+    torn_tail_bytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    @property
+    def output_len(self) -> np.ndarray:
+        return np.diff(self.output_off)
+
+    @property
+    def prompt_len(self) -> np.ndarray:
+        return np.diff(self.prompt_off)
+
+    def output_ids(self, i: int) -> np.ndarray:
+        return self.output[self.output_off[i] : self.output_off[i + 1]]
+
+    def prompt_ids(self, i: int) -> np.ndarray:
+        return self.prompt[self.prompt_off[i] : self.prompt_off[i + 1]]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(len(self.output) + len(self.prompt))
+
+
+def _flat(lists: Sequence[Any], where: Callable[[int], str], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Python lists of ids (or None) -> flat int64 array, offsets, presence mask."""
+    has = np.fromiter((x is not None for x in lists), dtype=bool, count=len(lists))
+    lens = np.fromiter((len(x) if x is not None else 0 for x in lists), dtype=np.int64, count=len(lists))
+    off = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    for i, x in enumerate(lists):  # fromiter alone would truncate 1.5 to 1 and take true as 1
+        if x is not None and (not isinstance(x, list) or not all(type(t) is int for t in x)):
+            raise AuditInputError(f"{where(i)}: field `{name}` must be a list of integer ids or null")
+    try:
+        flat = np.fromiter(chain.from_iterable(x for x in lists if x), dtype=np.int64, count=int(off[-1]))
+    except OverflowError:
+        i = next(i for i, x in enumerate(lists) if x and not all(-2**63 <= t < 2**63 for t in x))
+        raise AuditInputError(f"{where(i)}: field `{name}` holds an id beyond 64-bit integers") from None
+    return flat, off, has
+
+
+def _table_from_dicts(objs: list[dict[str, Any]], where: Callable[[int], str], source_fields: bool) -> IdTable:
+    for i, o in enumerate(objs):
+        for k in ("prompt_ids", "output_ids"):
+            v = o.get(k)
+            if v is not None and not isinstance(v, list):
+                raise AuditInputError(f"{where(i)}: field `{k}` must be a list of integer ids or null")
+    prompt = _flat([o.get("prompt_ids") for o in objs], where, "prompt_ids")
+    output = _flat([o.get("output_ids") for o in objs], where, "output_ids")
+    return _assemble_table(objs, prompt, output, source_fields)
+
+
+def _assemble_table(objs: list[dict[str, Any]], prompt: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    output: tuple[np.ndarray, np.ndarray, np.ndarray], source_fields: bool) -> IdTable:
+    """An IdTable from parsed records and their flat (ids, offsets, present) prompt/output arrays."""
+    meta = pd.DataFrame({c: [o.get(c) for o in objs] for c in META_COLUMNS})
+    meta["billed_prompt_tokens"] = [u.get("prompt_tokens") if isinstance(u := o.get("usage"), dict) else None
+                                    for o in objs]
+    t = IdTable(meta, *prompt, *output)
+    if source_fields:
+        t.messages = [o.get("messages") for o in objs]
+        t.tools = [o.get("tools") for o in objs]
+        t.reasoning = [o.get("reasoning") for o in objs]
+        t.content = [o.get("content") for o in objs]
+        t.loss_mask = [o.get("loss_mask") for o in objs]
+        t.tool_calls = [o.get("tool_calls") for o in objs]
+    return t
+
+
+def _split_torn(data: bytes) -> tuple[bytes, int]:
+    end = data.rfind(b"\n") + 1
+    return data[:end], len(data) - end
+
+
+def _read_orjson(path: Path, data: bytes, source_fields: bool) -> IdTable:
+    objs, lines, bad = [], [], []
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            bad.append(f"{path}:{lineno}: not JSON ({e})")
+            continue
+        if not isinstance(obj, dict):
+            bad.append(f"{path}:{lineno}: line is not a JSON object")
+            continue
+        missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
+        if missing:
+            bad.append(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+            continue
+        objs.append(obj)
+        lines.append(lineno)
+    t = _table_from_dicts(objs, lambda i: f"{path}:{lines[i]}", source_fields)
+    t.meta["line"] = lines
+    t.bad_lines = bad
+    return t
+
+
+# --------------------------------------------------------------------------- fast JSONL reader
+#
+# A journal line is mostly its two id lists. Materialising them as Python ints is what makes
+# `json.loads` (and orjson) slow, so the fast reader cuts each top-level `"prompt_ids":[...]` /
+# `"output_ids":[...]` out of the line, parses the rest of the line with orjson (metadata and
+# text fields) and all the cut list texts of the file at once with numpy. Whatever it cannot
+# prove it read exactly goes through orjson as a whole line, which is the reference reader.
+
+_ID_KEYS = ("prompt_ids", "output_ids")
+_ID_PATTERNS = tuple(b'"' + k.encode() + b'":[' for k in _ID_KEYS)
+_LUT_MAX = 1 << 22
+
+
+@dataclass
+class _Cuts:
+    """The id lists of one key cut out of the lines: per cut record its index and list text."""
+
+    rec: list[int] = field(default_factory=list)
+    text: list[bytes] = field(default_factory=list)
+
+
+def _printed_width(vals: np.ndarray) -> np.ndarray:
+    """Digits of each non-negative value; 0 from 10**18 up, where fromstring may saturate."""
+    if len(vals) == 0:
+        return np.zeros(0, np.int8)
+    hi = int(vals.max())
+    if hi < _LUT_MAX:
+        width = np.ones(hi + 1, np.int8)
+        k = 10
+        while k <= hi:
+            width[k:] += 1
+            k *= 10
+        return width[vals]
+    width = np.ones(len(vals), np.int8)
+    k = 10
+    while k < 10**18:
+        width += vals >= k
+        k *= 10
+    width[vals >= 10**18] = 0
+    return width
+
+
+def _parse_cuts(cuts: _Cuts, redo: set[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(record index, value count, flat values) of the cut lists; records whose text is not exact go to `redo`.
+
+    Only lists written with digits and commas alone are taken (a sign, space or anything else
+    goes to orjson). numpy's text parser reads each; each value takes at least its printed
+    width and each comma a byte, so widths plus commas add up to the text's length only when
+    every value was written canonically (no leading zero, empty or trailing element, no
+    saturated overflow): then the parse read every byte as orjson would have.
+    """
+    m = len(cuts.rec)
+    rec = np.asarray(cuts.rec, dtype=np.int64)
+    counts = np.zeros(m, np.int64)
+    tlen = np.zeros(m, np.int64)
+    parts, unread = [], []
+    for j, text in enumerate(cuts.text):
+        if len(text):
+            if text.translate(None, b"0123456789,"):  # a sign, space or anything else: orjson decides
+                unread.append(j)
+                continue
+            try:
+                v = np.fromstring(text, dtype=np.int64, sep=",")  # text mode: not deprecated
+            except ValueError:
+                unread.append(j)
+                continue
+            parts.append(v)
+            counts[j] = len(v)
+            tlen[j] = len(text)
+    vals = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    rows = np.flatnonzero(counts)
+    ok = counts == 0
+    if len(rows):
+        width = _printed_width(vals)
+        # each value takes at least its width and each comma a byte, so equal totals mean
+        # equality for every list; only when they differ is it worth finding which
+        if int(width.sum(dtype=np.int64)) + int(counts.sum()) - len(rows) == int(tlen[rows].sum()):
+            ok[rows] = True
+        else:
+            start = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(counts[rows], out=start[1:])
+            ws = np.array([width[a:b].sum(dtype=np.int64) for a, b in zip(start[:-1], start[1:])], np.int64)
+            ok[rows] = ws + counts[rows] - 1 == tlen[rows]
+    ok &= (counts > 0) | (tlen == 0)
+    ok[unread] = False
+    if not ok.all():
+        redo.update(rec[~ok].tolist())
+        vals = vals[np.repeat(ok, counts)]
+        counts[~ok] = 0
+    return rec, counts, vals
+
+
+def _flat_ids(n: int, parsed: tuple[np.ndarray, np.ndarray, np.ndarray], other: dict[int, Any], drop: set[int],
+              where: Callable[[int], str], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat ids, offsets and presence for n records from cut lists (`parsed`) and orjson values (`other`)."""
+    rec, counts, vals = parsed
+    if drop or other:
+        gone = np.isin(rec, np.fromiter(drop | set(other), np.int64, count=len(drop | set(other))))
+        if gone.any():
+            vals = vals[~np.repeat(gone, counts)]
+            rec, counts = rec[~gone], counts[~gone]
+    has = np.zeros(n, bool)
+    lens = np.zeros(n, np.int64)
+    has[rec] = True
+    lens[rec] = counts
+    lists: dict[int, list] = {}
+    for i, v in other.items():
+        if v is None:
+            continue
+        if not isinstance(v, list) or not all(type(t) is int for t in v):
+            raise AuditInputError(f"{where(i)}: field `{name}` must be a list of integer ids or null")
+        has[i] = True
+        lens[i] = len(v)
+        if v:
+            lists[i] = v
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=off[1:])
+    if not lists:
+        return vals, off, has
+    flat = np.empty(int(off[-1]), np.int64)
+    src = np.zeros(len(rec) + 1, np.int64)
+    np.cumsum(counts, out=src[1:])
+    for k, i in enumerate(rec.tolist()):
+        flat[off[i] : off[i + 1]] = vals[src[k] : src[k + 1]]
+    for i, v in lists.items():
+        try:
+            flat[off[i] : off[i + 1]] = v
+        except OverflowError:
+            raise AuditInputError(f"{where(i)}: field `{name}` holds an id beyond 64-bit integers") from None
+    return flat, off, has
+
+
+def _line_object(text: bytes | memoryview, where: str) -> tuple[dict | None, str | None]:
+    """orjson reading of one whole line: (object, None) or (None, why the line is bad)."""
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        return None, f"{where}: not JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, f"{where}: line is not a JSON object"
+    missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
+    if missing:
+        return None, f"{where}: missing field(s) {', '.join(missing)}"
+    return obj, None
+
+
+def _read_fast(path: Path, data: bytes, source_fields: bool) -> IdTable:
+    """JSONL -> IdTable: id lists parsed as text by numpy, the rest of each line by orjson (see above)."""
+    mv = memoryview(data)
+    objs: list[dict | None] = []
+    linenos: list[int] = []
+    spans: list[tuple[int, int]] = []
+    bad: list[tuple[int, str]] = []
+    cuts = [_Cuts() for _ in _ID_KEYS]
+    # the string that stands in for a cut list while orjson reads the rest of the line; fresh
+    # per read, so no file can hold it: a line is taken from the cut reading only when the
+    # top-level key resolves to it (not a nested or duplicate key of the same name)
+    nonce = secrets.token_hex(8)
+    hole, hole_json = "\x00" + nonce, b'"\\u0000' + nonce.encode() + b'"'
+    pos, lineno, size = 0, 0, len(data)
+    while pos < size:
+        end = data.find(b"\n", pos)
+        end = size if end < 0 else end
+        start, pos = pos, end + 1
+        lineno += 1
+        if data[start] != 0x7B and not data[start:end].strip():  # 0x7B: "{"
+            continue
+        holes = []
+        for k, pat in enumerate(_ID_PATTERNS):
+            i = data.find(pat, start, end)
+            j = data.find(b"]", i + len(pat), end) if i >= 0 else -1
+            if j >= 0:
+                holes.append((i + len(pat) - 1, j + 1, k))
+        holes.sort()
+        if len(holes) == 2 and holes[0][1] > holes[1][0]:
+            holes = []
+        obj = None
+        if holes:
+            pieces, at = [], start
+            for a, b, _ in holes:
+                pieces += [mv[at:a], hole_json]
+                at = b
+            pieces.append(mv[at:end])
+            try:
+                obj = orjson.loads(b"".join(pieces))
+            except orjson.JSONDecodeError:
+                obj = None
+            if not (isinstance(obj, dict) and all(obj.get(_ID_KEYS[k]) == hole for *_, k in holes)
+                    and all(k in obj for k in ("dataset", "sample_id", "finish_reason"))):
+                obj = None
+        if obj is None:
+            holes = []
+            obj, why = _line_object(mv[start:end], f"{path}:{lineno}")
+            if obj is None:
+                bad.append((lineno, why))
+                continue
+        for a, b, k in holes:
+            cuts[k].rec.append(len(objs))
+            cuts[k].text.append(data[a + 1 : b - 1])
+        objs.append(obj)
+        linenos.append(lineno)
+        spans.append((start, end))
+
+    redo: set[int] = set()
+    parsed = [_parse_cuts(c, redo) for c in cuts]
+    drop: set[int] = set()
+    for r in sorted(redo):  # a list text numpy would not vouch for: orjson reads the whole line
+        s, e = spans[r]
+        obj, why = _line_object(mv[s:e], f"{path}:{linenos[r]}")
+        if obj is None:
+            bad.append((linenos[r], why))
+            drop.add(r)
+        else:
+            objs[r] = obj
+    keep = [i for i in range(len(objs)) if i not in drop]
+    where = lambda i: f"{path}:{linenos[i]}"  # noqa: E731
+    n = len(objs)
+    flats = []
+    for k, key in enumerate(_ID_KEYS):
+        cut_here = set(cuts[k].rec)
+        other = {i: o.get(key) for i, o in enumerate(objs) if i not in drop and (i not in cut_here or i in redo)}
+        flats.append(_flat_ids(n, parsed[k], other, drop, where, key))
+    if drop:  # a line that failed only inside its id list: it leaves the table, as a bad line
+        idx = np.asarray(keep, np.int64)
+        flats = [_take_rows(*f, idx) for f in flats]
+        objs = [objs[i] for i in keep]
+        linenos = [linenos[i] for i in keep]
+    t = _assemble_table(objs, flats[0], flats[1], source_fields)
+    t.meta["line"] = linenos
+    t.bad_lines = [why for _, why in sorted(bad)]
+    return t
+
+
+def _take_rows(flat: np.ndarray, off: np.ndarray, has: np.ndarray, rows: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The records `rows` of a flat id array with offsets."""
+    lens = np.diff(off)[rows]
+    new = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lens, out=new[1:])
+    parts = [flat[off[i] : off[i + 1]] for i in rows.tolist()]
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), new, has[rows]
+
+
+def _list_column(col: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    import pyarrow as pa
+
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    off = np.asarray(arr.offsets, dtype=np.int64)
+    off = off - off[0]
+    vals = np.asarray(arr.flatten().to_numpy(zero_copy_only=False))
+    has = ~np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    return vals, off, has
+
+
+def _struct_field(tab: Any, column: str, field: str) -> list[Any]:
+    """`column.field` per row of an arrow table (None where the column, the field or the value is absent)."""
+    import pyarrow as pa
+
+    if column not in tab.column_names:
+        return [None] * tab.num_rows
+    col = tab.column(column)
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not pa.types.is_struct(arr.type) or arr.type.get_field_index(field) < 0:
+        return [None] * tab.num_rows
+    values = arr.field(field).to_pylist()
+    valid = arr.is_valid().to_pylist()
+    return [v if ok else None for v, ok in zip(values, valid)]
+
+
+def _table_from_arrow(tab: Any) -> IdTable:
+    meta = pd.DataFrame({c: tab.column(c).to_pylist() if c in tab.column_names else [None] * tab.num_rows
+                         for c in META_COLUMNS})
+    meta["billed_prompt_tokens"] = _struct_field(tab, "usage", "prompt_tokens")
+    meta["line"] = np.arange(1, len(meta) + 1)
+    if meta["dataset"].isna().any() or meta["sample_id"].isna().any() or meta["finish_reason"].isna().any():
+        raise ValueError("missing key fields")
+    prompt, poff, hasp = _list_column(tab.column("prompt_ids"))
+    output, ooff, haso = _list_column(tab.column("output_ids"))
+    return IdTable(meta, prompt, poff, hasp, output, ooff, haso)
+
+
+def read_journal(path: str | Path, *, source_fields: bool = False) -> IdTable:
+    """Read one records journal (JSONL) or columnar file (.parquet) into an IdTable.
+
+    JSONL: the id lists are parsed as text by numpy, the rest of each line by orjson; any
+    line the fast path cannot vouch for is read whole by orjson (which names each bad line).
+    A torn last line is ignored.
+    `source_fields=True` also keeps messages, tools and the text fields (tokenizer checks).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise AuditInputError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        return _read_parquet(path, source_fields)
+    data, torn = _split_torn(path.read_bytes())
+    # a lone carriage return splits lines for the line reader; keep its numbering there
+    t = _read_orjson(path, data, source_fields) if b"\r" in data else _read_fast(path, data, source_fields)
+    t.torn_tail_bytes = torn
+    t.meta["file"] = str(path)
+    return t
+
+
+def _read_parquet(path: Path, source_fields: bool) -> IdTable:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        tab = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise AuditInputError(f"{path}: not a readable parquet file ({e})") from None
+    for k in ("dataset", "sample_id", "finish_reason", "output_ids"):
+        if k not in tab.column_names:
+            raise AuditInputError(f"{path}: missing column `{k}`")
+    if source_fields:
+        objs = tab.to_pylist()
+        for o in objs:
+            for k in ("messages", "tools"):
+                if isinstance(o.get(k), str):  # JSON text columns
+                    o[k] = orjson.loads(o[k])
+        t = _table_from_dicts(objs, lambda i: f"{path}:row {i}", True)
+    else:
+        if "prompt_ids" not in tab.column_names:
+            tab = tab.append_column("prompt_ids", pa.nulls(tab.num_rows, pa.list_(pa.int64())))
+        t = _table_from_arrow(tab)
+    t.meta["line"] = np.arange(1, len(t) + 1)
+    t.meta["file"] = str(path)
+    return t
+
+
+def concat_tables(tables: Sequence[IdTable]) -> IdTable:
+    """One IdTable from several (e.g. one per dataset journal)."""
+    tables = [t for t in tables if t is not None]
+    if not tables:
+        return _empty_table()
+    if len(tables) == 1:
+        return tables[0]
+
+    def cat(name: str, off_name: str) -> tuple[np.ndarray, np.ndarray]:
+        flats = [getattr(t, name).astype(np.int64, copy=False) for t in tables]
+        offs, base = [np.zeros(1, np.int64)], 0
+        for t in tables:
+            o = getattr(t, off_name)
+            offs.append(o[1:] + base)
+            base += int(o[-1])
+        return np.concatenate(flats), np.concatenate(offs)
+
+    prompt, poff = cat("prompt", "prompt_off")
+    output, ooff = cat("output", "output_off")
+    t = IdTable(pd.concat([t.meta for t in tables], ignore_index=True), prompt, poff,
+                np.concatenate([t.has_prompt for t in tables]), output, ooff,
+                np.concatenate([t.has_output for t in tables]))
+    for f in ("messages", "tools", "reasoning", "content", "loss_mask", "tool_calls"):
+        if all(getattr(x, f) is not None for x in tables):
+            setattr(t, f, list(chain.from_iterable(getattr(x, f) for x in tables)))
+    t.bad_lines = list(chain.from_iterable(x.bad_lines for x in tables))
+    t.torn_tail_bytes = sum(x.torn_tail_bytes for x in tables)
+    return t
+
+
+def _empty_table() -> IdTable:
+    z = np.zeros(1, np.int64)
+    return IdTable(pd.DataFrame({c: [] for c in META_COLUMNS + ["line", "file"]}), np.zeros(0, np.int64), z,
+                   np.zeros(0, bool), np.zeros(0, np.int64), z.copy(), np.zeros(0, bool))
+
+
+def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
+    """Fill ids of API records (output_ids null) from 02's `reconstruct/<dataset>.jsonl` (`reader.read_rebuilt`).
+
+    Adds the meta columns `ids_from` (`journal`, `reconstruct`, or `none`) and `proof_level`
+    (`engine` for exact journal ids, 02's level for rebuilt ids, `journal` for journal ids
+    not marked exact, `none` without ids, `unknown` for a rebuilt line without a level). A missing
+    reconstruct file leaves the record without ids (check `record.has_ids`); a malformed one
+    is an AuditInputError naming its file and line.
+    """
+    meta = table.meta
+    meta["ids_from"] = np.where(table.has_output, "journal", "none")
+    exact = np.asarray(meta["ids_exact"].to_numpy() == True) if "ids_exact" in meta else False  # noqa: E712 (None: no)
+    meta["proof_level"] = np.where(table.has_output & exact, "engine", np.where(table.has_output, "journal", "none"))
+    need = np.flatnonzero(~table.has_output)
+    if len(need) == 0:
+        return table
+    try:
+        rebuilt = read_rebuilt(run_dir, [str(d) for d in meta["dataset"].iloc[need].unique()])
+    except RunFileError as e:
+        raise AuditInputError(str(e)) from None
+    if not rebuilt:
+        return table
+    outs = [table.output_ids(i) for i in range(len(table))]
+    prompts = [table.prompt_ids(i) for i in range(len(table))]
+    has_o, has_p = table.has_output.copy(), table.has_prompt.copy()
+    keys = SampleKey.of_columns(meta["dataset"], meta["sample_id"], meta["turn"] if "turn" in meta else None)
+    for i in need:
+        o = rebuilt.get(keys[i])
+        if o is None or not isinstance(o.get("output_ids"), list):
+            continue
+        outs[i] = np.asarray(o["output_ids"], dtype=np.int64)
+        has_o[i] = True
+        if isinstance(o.get("prompt_ids"), list):
+            prompts[i] = np.asarray(o["prompt_ids"], dtype=np.int64)
+            has_p[i] = True
+        if table.loss_mask is not None:
+            table.loss_mask[i] = o.get("loss_mask")
+        meta.at[i, "ids_from"] = "reconstruct"
+        meta.at[i, "proof_level"] = o.get("proof_level") or "unknown"
+    for name, off_name, segs in (("output", "output_off", outs), ("prompt", "prompt_off", prompts)):
+        lens = np.fromiter((len(s) for s in segs), np.int64, count=len(segs))
+        off = np.zeros(len(segs) + 1, np.int64)
+        np.cumsum(lens, out=off[1:])
+        setattr(table, name, np.concatenate([s.astype(np.int64, copy=False) for s in segs])
+                if segs else np.zeros(0, np.int64))
+        setattr(table, off_name, off)
+    table.has_output, table.has_prompt = has_o, has_p
+    return table
+
+
+def take_records(table: IdTable, rows: np.ndarray) -> IdTable:
+    """The table of the given rows only (ids, metadata and text fields)."""
+    rows = np.asarray(rows, np.int64)
+    t = IdTable(table.meta.iloc[rows].reset_index(drop=True),
+                *_take_rows(table.prompt, table.prompt_off, table.has_prompt, rows),
+                *_take_rows(table.output, table.output_off, table.has_output, rows))
+    for f in ("messages", "tools", "reasoning", "content", "loss_mask", "tool_calls"):
+        v = getattr(table, f)
+        if v is not None:
+            setattr(t, f, [v[i] for i in rows.tolist()])
+    t.bad_lines, t.torn_tail_bytes = table.bad_lines, table.torn_tail_bytes
+    return t
+
+
+def meta_keys(meta: pd.DataFrame) -> list[SampleKey]:
+    """Each row's key (`SampleKey.of` the row, its turn included: each turn is its own sample)."""
+    return SampleKey.of_columns(meta["dataset"], meta["sample_id"], meta["turn"] if "turn" in meta else None)
+
+
+def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
+    """(the records: one row per key by `reader.supersede_rule`, with meta column `duplicate`; the superseded lines).
+
+    The superseded frame lists each replaced line (dataset, sample_id, finish_reason, file,
+    line) and the line of the record that replaced it (`record_line`).
+    """
+    m = table.meta
+    keys = meta_keys(m)
+    is_record, dup = supersede_rule(keys, m["finish_reason"].tolist())
+    rec_rows = np.flatnonzero(np.asarray(is_record, bool))
+    old_rows = np.flatnonzero(~np.asarray(is_record, bool))
+    line_of = {keys[i]: m["line"].iat[i] if "line" in m else None for i in rec_rows.tolist()}
+    cols = ["dataset", "sample_id", "finish_reason", "file", "line"]
+    sup = m.iloc[old_rows][[c for c in cols if c in m]].reset_index(drop=True)
+    sup["record_line"] = [line_of[keys[i]] for i in old_rows.tolist()]
+    if len(old_rows) == 0:
+        out = table
+        out.meta["duplicate"] = np.asarray(dup, bool)
+        return out, sup
+    out = take_records(table, rec_rows)
+    out.meta["duplicate"] = np.asarray(dup, bool)[rec_rows]
+    return out, sup
+
+
+def load_run(run_dir: str | Path, *, source_fields: bool = False) -> IdTable:
+    """Every journal line of a run (`records/*.jsonl`), with 02's rebuilt ids merged in where present."""
+    paths = sorted((Path(run_dir) / "records").glob("*.jsonl"))
+    t = concat_tables([read_journal(p, source_fields=source_fields) for p in paths])
+    return merge_reconstruct(t, run_dir)

@@ -1,0 +1,293 @@
+"""HTML rendering: executed notebooks as HTML, and the run's shareable `report.html`.
+
+The report is the executed 03_audit notebook rendered without code cells: images are
+embedded (nbconvert's HTML exporter inlines PNG outputs), so the file stands alone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+# Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
+# "figures recorded for tests" cells carry it) but are left out of every HTML rendering.
+HIDE_TAG = "hide-from-html"
+EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.I)
+SECRET_KEY = re.compile(r"(api_?key|secret|token|password|authorization)(?!_env)", re.I)
+
+
+def notebook_to_html(nb_path: str | Path, html_path: str | Path, *, exclude_input: bool = False) -> Path:
+    """Render an executed notebook to a self-contained HTML file (cells tagged `hide-from-html` left out)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    from nbconvert.preprocessors import TagRemovePreprocessor
+
+    nb = nbformat.read(str(nb_path), as_version=4)
+    exporter = HTMLExporter(exclude_input=exclude_input, exclude_input_prompt=exclude_input,
+                            exclude_output_prompt=exclude_input)
+    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={HIDE_TAG}, enabled=True), enabled=True)
+    body, _ = exporter.from_notebook_node(nb)
+    Path(html_path).write_text(body, encoding="utf-8")
+    return Path(html_path)
+
+
+def render_report(run_dir: str | Path) -> Path:
+    """`<run>/report.html` from the executed 03_audit notebook, code cells hidden."""
+    run_dir = Path(run_dir)
+    src = run_dir / "notebooks" / "03_audit.ipynb"
+    if not src.exists():
+        raise FileNotFoundError(f"no executed audit notebook at {src}: run stage 03 first")
+    out = notebook_to_html(src, run_dir / "report.html", exclude_input=True)
+    text = out.read_text(encoding="utf-8")
+    # self-contained: drop the template's CDN scripts (require.js, MathJax); the report needs neither
+    text = EXTERNAL_SCRIPT.sub("", text)
+    out.write_text(text, encoding="utf-8")
+    return out
+
+
+def redact(obj: Any) -> Any:
+    """Params as plain data with any secret-looking value replaced (params hold none by design)."""
+    if isinstance(obj, dict):
+        return {k: ("***" if SECRET_KEY.search(str(k)) and not str(k).endswith("_env") and isinstance(v, str)
+                    else redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+class HTMLBlock:
+    """A piece of HTML that Jupyter (and so the report) displays as is."""
+
+    def __init__(self, html: str):
+        self.html = html
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:  # the text/plain twin of the HTML: stable, so nbval compares only the HTML
+        return "<HTML block>"
+
+
+def show_table(df: Any, css_class: str = "audit-table", *, caption: str | None = None) -> HTMLBlock:
+    """A DataFrame as an HTML table with a CSS class (the report's check table is `check-table`)."""
+    if df is None or len(df) == 0:
+        return HTMLBlock(f"<p><i>{caption or 'table'}: nothing to show</i></p>")
+    body = df.to_html(classes=css_class, na_rep="", float_format=lambda x: f"{x:.4g}", border=0)
+    cap = f"<p><b>{caption}</b></p>" if caption else ""
+    return HTMLBlock(cap + body)
+
+
+def shown_path(path: Any, base: str | Path | None = None) -> str:
+    """A path as a report shows it: relative to `base` (the run folder) or the checkout, never the machine's root.
+
+    Outside both, an absolute path keeps only its last two parts (`…/runs/myrun`).
+    """
+    from eagle3data.core.params import repo_root
+
+    p = Path(str(path))
+    if not p.is_absolute():
+        return str(p)
+    for root in ([Path(base)] if base is not None else []) + [repo_root()]:
+        try:
+            rel = p.resolve().relative_to(Path(root).resolve())
+            return str(rel) if str(rel) != "." else (p.name or str(p))
+        except ValueError:
+            continue
+    return str(Path("…", *p.parts[-2:]))
+
+
+def _relative_paths(obj: Any) -> Any:
+    """Absolute paths under the checkout as relative ones, in plain data (the params for display)."""
+    if isinstance(obj, dict):
+        return {k: _relative_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_relative_paths(v) for v in obj]
+    if isinstance(obj, str) and obj.startswith("/") and "\n" not in obj:
+        return shown_path(obj)
+    return obj
+
+
+def params_html(params: Any) -> HTMLBlock:
+    """The run's params as an indented YAML block (secrets redacted, paths relative to the checkout)."""
+    import html
+
+    import yaml
+
+    from eagle3data.core.params import params_for_display
+
+    text = yaml.safe_dump(_relative_paths(redact(params_for_display(params))), sort_keys=False, allow_unicode=True)
+    return HTMLBlock(f'<pre style="font-size:12px;background:#f6f8fa;padding:6px;max-height:22em;overflow:auto">{html.escape(text)}</pre>')
+
+
+# ------------------------------------------------------------------ banners
+
+_BANNER = {"warning": "background:#fff8c5;border:1px solid #d4a72c;color:#4d2d00",
+           "error": "background:#ffebe9;border:1px solid #cf222e;color:#82071e",
+           "ok": "background:#dafbe1;border:1px solid #1a7f37;color:#044f1e"}
+
+
+def banner(level: str, title: str, lines: list[str] | None = None) -> HTMLBlock:
+    """A coloured box at the top of a notebook / report: `warning`, `error` or `ok`, with detail lines."""
+    import html
+
+    items = "".join(f"<li>{html.escape(str(x))}</li>" for x in (lines or []))
+    return HTMLBlock(f'<div class="e3-banner e3-banner-{level}" style="{_BANNER[level]};border-radius:6px;'
+                     f'padding:8px 12px;margin:6px 0"><b>{html.escape(title)}</b>'
+                     + (f'<ul style="margin:4px 0 0 0">{items}</ul>' if items else "") + "</div>")
+
+
+def banners(blocks: list[HTMLBlock]) -> HTMLBlock:
+    """Several banners as one output (nothing when the list is empty)."""
+    return HTMLBlock("".join(b.html for b in blocks))
+
+
+def rejected_prompt_lines(ledger: dict[str, Any] | None, k: int = 3) -> dict[str, tuple[int, list[str]]]:
+    """Per dataset of the ledger: (how many prompt lines were rejected, the first k of them)."""
+    out = {}
+    for name, d in ((ledger or {}).get("datasets") or {}).items():
+        rej = list((d or {}).get("rejected_prompt_lines") or [])
+        if rej:
+            out[name] = (len(rej), [str(x) for x in rej[:k]])
+    return out
+
+
+def ledger_banners(ledger: dict[str, Any] | None, records: int | None = None) -> list[HTMLBlock]:
+    """Warnings from 01's ledger: zero records, prompt lines rejected when the datasets were read."""
+    out = []
+    datasets = (ledger or {}).get("datasets") or {}
+    done = records if records is not None else sum(int((d or {}).get("done") or 0) for d in datasets.values())
+    if done == 0:
+        out.append(banner("error", "Zero records: the run holds no completed response, so nothing below is evidence.",
+                          ["check the ledger (planned, errors, skipped) and the 01_generate notebook"]))
+    rej = rejected_prompt_lines(ledger)
+    if rej:
+        lines = []
+        for name, (n, first) in rej.items():
+            lines.append(f"{name}: {n} prompt line(s) rejected" + (f"; first: {' | '.join(first)}" if first else ""))
+        out.append(banner("warning", f"{sum(n for n, _ in rej.values())} prompt line(s) were rejected when the "
+                          "datasets were read (never sent):", lines))
+    return out
+
+
+def audit_banners(result: Any) -> HTMLBlock:
+    """03's warnings: zero records, rejected prompt lines, failed checks, checks not run, torn journal tails."""
+    s = result.summary()
+    out = ledger_banners(result.ledger, records=s["records"])
+    if s["records"] and s["records_failed"]:
+        failed = {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}
+        out.append(banner("error", f"{s['records_failed']} of {s['records']} records failed at least one check",
+                          [f"{k}: {v} record(s)" for k, v in failed.items()]
+                          + ["failed records are kept out of the training mix (and so the export) unless "
+                             "hidden.include_failed; see section 6"]))
+    not_run = [k for k, v in s["checks"].items() if v["verdict"] == "not run"]
+    if s["records"] and not_run:
+        out.append(banner("warning", f"{len(not_run)} check(s) not run: " + ", ".join(not_run)))
+    torn = s.get("torn_tail_bytes") or 0
+    if torn:
+        out.append(banner("warning", f"{torn} byte(s) of torn last line(s) in the journals (a crash mid-write): "
+                          "not audited; 01 cuts them off when it resumes"))
+    if s.get("bad_lines"):
+        bad = list(s["bad_lines"])
+        out.append(banner("warning", f"{len(bad)} unreadable journal line(s), not audited:", bad[:5]))
+    if s["records"] and not s["records_failed"] and not not_run:
+        out.append(banner("ok", f"No record failed a check ({s['records']} records; bounds in section 3)."))
+    return banners(out)
+
+
+def export_banners(result: Any) -> HTMLBlock:
+    """05's warnings: an export without the audit filter (no verdicts, or failed records let in), nothing exported."""
+    out = []
+    man = next(iter(result.manifests.values()), {}) if result.manifests else {}
+    sel = man.get("selection") or {}
+    if not sel.get("verdicts_present"):
+        out.append(banner("error", "Unaudited export: stage 03 has not written verdicts for this run, so records "
+                          "went out without the audit filter.", ["run 03_audit, then 04 and 05 again"]))
+    elif sel.get("include_failed"):
+        out.append(banner("warning", "The export includes records that failed audit checks (include_failed is on)."))
+    if man and not man.get("exported"):
+        out.append(banner("error", "Zero records exported."))
+    return banners(out)
+
+
+# ------------------------------------------------------------------ audit tables for the report
+
+
+def check_summary_view(result: Any) -> Any:
+    """03's check table for reading: counts as integers, `upper95` and the failure rate as percentages."""
+    import pandas as pd
+
+    cs = result.check_summary()
+    view = cs[["verdict", "applicable", "failed", "not_applicable", "not_run", "upper95", "records_for_0.1%",
+               "more_needed", "what"]].copy()
+    view["upper95"] = [("" if pd.isna(x) else f"{x:.2%}") for x in cs["upper95"]]
+    for c in ("records_for_0.1%", "more_needed"):
+        view[c] = [("" if pd.isna(x) else f"{int(x):,}") for x in cs[c]]
+    return view
+
+
+def check_matrix_html(result: Any) -> HTMLBlock:
+    """Per (dataset, source, provider): only what informs — failures, not-run checks, and one pass bound per group.
+
+    Columns are the checks that failed (or were not run) in some group; a cell is `FAIL k/n (r%)`,
+    `0/n` beside a failure elsewhere, `not run`, or blank (n/a). The last column bounds every
+    other applicable check of the group at once: `N passed; weakest bound 0/n (<b%)`, from the
+    check with the smallest n. The table scrolls sideways when it is wider than the page.
+    """
+    import html
+
+    import pandas as pd
+
+    from eagle3data.audit.checks import CHECK_NAMES, iter_checks
+
+    ct = result.check_table()
+    ct = ct[ct["check"].isin([c.name for c in iter_checks(result.profile)])]
+    if len(ct) == 0:
+        return HTMLBlock("<p><i>check matrix: no records</i></p>")
+    gcols = ["dataset", "source", "provider"]
+    informative = [c for c in CHECK_NAMES if c in set(ct.loc[(ct["failed"] > 0) | ((ct["not_run"] > 0)
+                                                                                   & (ct["applicable"] == 0)), "check"])]
+    rows = []
+    for key, g in ct.groupby(gcols, sort=False):
+        g = g.set_index("check")
+        cells = []
+        for c in informative:
+            r = g.loc[c] if c in g.index else None
+            if r is None or (r["applicable"] == 0 and r["not_run"] == 0):
+                cells.append("")
+            elif r["failed"] > 0:
+                cells.append(f"FAIL {int(r['failed'])}/{int(r['applicable'])} ({r['failed'] / r['applicable']:.1%})")
+            elif r["applicable"] == 0:
+                cells.append("not run")
+            else:
+                cells.append(f"0/{int(r['applicable'])}")
+        rest = g[~g.index.isin(informative) & (g["applicable"] > 0)]
+        if len(rest):
+            weakest = rest.sort_values("applicable").iloc[0]
+            n = int(weakest["applicable"])
+            cells.append(f"{len(rest)} passed; weakest bound 0/{n} (<{weakest['upper95']:.1%})")
+        else:
+            cells.append("")
+        rows.append(list(key) + [int(g["records"].max())] + cells)
+    df = pd.DataFrame(rows, columns=gcols + ["records"] + informative + ["other checks (all passed)"])
+    body = df.to_html(classes="check-matrix", index=False, border=0, escape=True)
+    body = body.replace("<td>FAIL", '<td style="color:#cf222e;font-weight:bold">FAIL')
+    note = ("" if informative else "<p>No check failed or went unrun in any group: one bound per group.</p>")
+    legend = ("Per group: a failed check as FAIL k/n (rate); 0/n where it passed in this group; the last column "
+              "bounds every other applicable check at once (rule of three on the smallest n).")
+    return HTMLBlock(f'{note}<div style="overflow-x:auto;max-width:100%">{body}</div>'
+                     f'<p style="font-size:12px;color:#555">{html.escape(legend)}</p>')
+
+
+def superseded_html(result: Any) -> HTMLBlock:
+    """Journal lines replaced by a later line of the same sample (a retried error): not failures, not counted."""
+    sup = getattr(result, "superseded", None)
+    if sup is None or len(sup) == 0:
+        return HTMLBlock("")
+    view = sup.copy()
+    if "file" in view.columns:
+        view["file"] = [shown_path(f) if f else "" for f in view["file"]]
+    return show_table(view.reset_index(drop=True), "superseded-table",
+                      caption=f"Superseded journal lines ({len(view)}): a retried error replaced by a later line of "
+                              "the same sample; not a failure, not counted")

@@ -1,0 +1,417 @@
+"""Stage 03: audit every record of a run, with honest numbers.
+
+The run's journals are read into flat id arrays (`idtable.py`); one row per sample is kept by
+the one supersede rule (`reader.supersede_rule`: a retried error is *superseded*, shown as
+such, never counted as a failure or a duplicate); every check of `checks.py` runs on those
+rows; a record's verdict lists the names of the checks it failed. `finish_reason: length` is
+reported as truncated, never as broken. Bounds on failure rates come from `stats.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pandas as pd
+
+from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
+                     billed_prompt_checks, iter_checks, on_policy_checks, structural_checks, suffix_check,
+                     tokenizer_checks)
+from eagle3data.audit.idtable import AuditInputError, IdTable, concat_tables, load_run, merge_reconstruct, read_journal, split_superseded
+from eagle3data.core.profiles import Profile, get_profile
+from eagle3data.core.stats import upper95
+
+TARGET_RATE = 0.001  # the failure rate the "records needed" column bounds (0.1 %)
+
+
+@dataclass
+class AuditResult:
+    """Statuses of every record for every check, with the tables and numbers built on them."""
+
+    table: IdTable
+    profile: Profile
+    status: pd.DataFrame  # one row per record, one int8 column per check
+    positions: Positions
+    tokenizer_used: bool
+    seconds: float
+    ledger: dict[str, Any] | None = None
+    skipped_lengths: pd.DataFrame | None = None
+    notes: list[str] = field(default_factory=list)
+    superseded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
+        columns=["dataset", "sample_id", "finish_reason", "file", "line", "record_line"]))
+    prompt_calibration: list[dict[str, Any]] = field(default_factory=list)  # billed prompt counts per group
+
+    @property
+    def meta(self) -> pd.DataFrame:
+        return self.table.meta
+
+    def failed_lists(self) -> list[list[str]]:
+        """Per record, the names of the checks it failed."""
+        fails = self.status.to_numpy() == FAIL
+        cols = np.array(self.status.columns)
+        return [cols[row].tolist() for row in fails]
+
+    def verdicts(self) -> pd.DataFrame:
+        """One row per record: dataset, sample_id, failed check names, truncated."""
+        m = self.meta
+        return pd.DataFrame({"dataset": m["dataset"], "sample_id": m["sample_id"], "failed": self.failed_lists(),
+                             "truncated": (m["finish_reason"] == "length").to_numpy()})
+
+    def group_keys(self) -> pd.DataFrame:
+        m = self.meta
+        return pd.DataFrame({"dataset": m["dataset"].astype(str), "source": m["source"].fillna("?").astype(str),
+                             "provider": m["provider"].fillna("-").astype(str)})
+
+    def check_table(self, by_group: bool = True) -> pd.DataFrame:
+        """Honest numbers: per (dataset, source, provider) and check, counts and the 95 % bound.
+
+        `upper95` is the rule-of-three bound 3/n when a check saw zero failures in n applicable
+        records (else the Wilson 95 % upper bound); `records_for_0.1%` is how many applicable
+        records a clean check needs before its bound drops to 0.1 %.
+        """
+        keys = self.group_keys() if by_group else pd.DataFrame({"dataset": ["(all)"] * len(self.meta)})
+        gcols = list(keys.columns)
+        long = self.status.copy()
+        for c in gcols:
+            long[c] = keys[c].to_numpy()
+        long = long.melt(id_vars=gcols, var_name="check", value_name="status")
+        agg = long.groupby(gcols + ["check"], sort=False)["status"].agg(
+            records="size", failed=lambda s: int((s == FAIL).sum()), passed=lambda s: int((s == PASS).sum()),
+            not_applicable=lambda s: int((s == NA).sum()), not_run=lambda s: int((s == NOT_RUN).sum())).reset_index()
+        cnt_cols = ["records", "failed", "passed", "not_applicable", "not_run"]
+        agg[cnt_cols] = agg[cnt_cols].astype(np.int64)
+        agg["applicable"] = agg["passed"] + agg["failed"]
+        agg["fail_rate"] = np.where(agg["applicable"] > 0, agg["failed"] / agg["applicable"].clip(lower=1), np.nan)
+        agg["upper95"] = [upper95(f, a) for f, a in zip(agg["failed"], agg["applicable"])]
+        need = math.ceil(3 / TARGET_RATE)
+        clean = (agg["failed"] == 0) & (agg["applicable"] > 0)
+        agg["records_for_0.1%"] = np.where(clean, need, np.nan)
+        agg["more_needed"] = np.where(clean, np.maximum(0, need - agg["applicable"]), np.nan)
+        agg["verdict"] = [_verdict(r) for r in agg.itertuples()]
+        return agg
+
+    def check_summary(self) -> pd.DataFrame:
+        """One row per check over all records: the table to read first."""
+        t = self.check_table(by_group=False).drop(columns=["dataset"]).set_index("check")
+        t.insert(0, "what", [CHECKS[c].what for c in t.index])
+        return t
+
+    def check_matrix(self) -> pd.DataFrame:
+        """Wide view: one row per (dataset, source, provider), one column per applicable check."""
+        ct = self.check_table()
+        ct = ct[ct["check"].isin([c.name for c in iter_checks(self.profile)])]
+        short = np.where(ct["failed"] > 0, "FAIL " + ct["failed"].astype(str) + "/" + ct["applicable"].astype(str),
+                         np.where(ct["applicable"] > 0, "0/" + ct["applicable"].astype(str) + " (<"
+                                  + (ct["upper95"] * 100).round(1).astype(str) + "%)",
+                                  np.where(ct["not_run"] > 0, "not run", "n/a")))
+        ct = ct.assign(cell=short)
+        wide = ct.pivot_table(index=["dataset", "source", "provider"], columns="check", values="cell",
+                              aggfunc="first", sort=False)
+        return wide[[c for c in CHECK_NAMES if c in wide.columns]]
+
+    def group_table(self) -> pd.DataFrame:
+        """Per (dataset, source, provider): records, truncated, records with any failure."""
+        keys = self.group_keys()
+        fails = (self.status.to_numpy() == FAIL).any(axis=1)
+        df = keys.assign(records=1, truncated=(self.meta["finish_reason"] == "length").to_numpy(),
+                         errors=self.meta["finish_reason"].isin(["error", "abort"]).to_numpy(), failed=fails,
+                         output_tokens=self.table.output_len, prompt_tokens=self.table.prompt_len)
+        return df.groupby(list(keys.columns)).sum().reset_index()
+
+    def failing(self, check: str, k: int = 3) -> pd.DataFrame:
+        """The first k records that failed `check` (dataset, sample_id, line)."""
+        idx = np.flatnonzero(self.status[check].to_numpy() == FAIL)[:k]
+        return self.meta.iloc[idx][["dataset", "sample_id", "file", "line"]]
+
+    def lengths(self) -> pd.DataFrame:
+        """Per record: prompt, reasoning, answer and output lengths in tokens, plus positions."""
+        p = self.positions
+        L = self.table.output_len
+        has_close = p.n_close > 0
+        reasoning = np.where(has_close, p.first_close - p.reasoning_start, np.nan) if self.profile.is_reasoning \
+            else np.full(len(L), np.nan)
+        aend = np.where(p.n_eot > 0, p.first_eot, L)
+        answer = np.where(has_close, aend - p.first_close - 1, aend) if self.profile.is_reasoning else aend
+        df = pd.DataFrame({"dataset": self.meta["dataset"].astype(str), "sample_id": self.meta["sample_id"],
+                           "finish_reason": self.meta["finish_reason"], "prompt": self.table.prompt_len,
+                           "output": L, "reasoning": reasoning, "answer": answer,
+                           "close_pos": np.where(has_close, p.first_close, np.nan),
+                           "eot_pos": np.where(p.n_eot > 0, p.first_eot, np.nan)})
+        return df[self.table.has_output]
+
+    def record_index(self, dataset: str | None, sample_id: Any) -> int | None:
+        """Row of (dataset, sample_id) in the table (any dataset when None), or None."""
+        m = self.meta
+        hit = m["sample_id"].astype(str) == str(sample_id)
+        if dataset is not None:
+            hit &= m["dataset"].astype(str) == str(dataset)
+        idx = np.flatnonzero(hit.to_numpy())
+        return int(idx[0]) if len(idx) else None
+
+    def summary(self) -> dict[str, Any]:
+        """What `summary.json` holds: counts per check and group, bounds, what was not run."""
+        cs = self.check_summary()
+        checks = {}
+        for name, r in cs.iterrows():
+            checks[name] = {"what": r["what"], "applicable": int(r["applicable"]), "failed": int(r["failed"]),
+                            "not_applicable": int(r["not_applicable"]), "not_run": int(r["not_run"]),
+                            "upper95": None if pd.isna(r["upper95"]) else float(r["upper95"]),
+                            "verdict": r["verdict"]}
+        groups = self.group_table()
+        ct = self.check_table()
+        fails = ct[ct["failed"] > 0][["dataset", "source", "provider", "check", "failed", "applicable"]]
+        return {
+            "profile": self.profile.name,
+            "records": len(self.meta),
+            "output_tokens": int(self.table.output_len.sum()),
+            "prompt_tokens": int(self.table.prompt_len.sum()),
+            "records_failed": int((self.status.to_numpy() == FAIL).any(axis=1).sum()),
+            "records_truncated": int((self.meta["finish_reason"] == "length").sum()),
+            "tokenizer_checks": "run" if self.tokenizer_used else "not run (no tokenizer)",
+            "checks": checks,
+            "groups": _jsonable(groups.to_dict(orient="records")),
+            "failures": _jsonable(fails.to_dict(orient="records")),
+            "ids_from": _jsonable(self.meta.get("ids_from", pd.Series(dtype=str)).value_counts().to_dict()),
+            "proof_levels": _jsonable(self.meta.get("proof_level", pd.Series(dtype=str)).value_counts().to_dict()),
+            "prompt_calibration": _jsonable(self.prompt_calibration),
+            "bad_lines": self.table.bad_lines,
+            "torn_tail_bytes": self.table.torn_tail_bytes,
+            "superseded_lines": len(self.superseded),
+            "superseded": _jsonable(self.superseded.to_dict(orient="records")),
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+        }
+
+    def write(self, out_dir: str | Path) -> tuple[Path, Path]:
+        """Write `verdicts.jsonl` and `summary.json` into out_dir."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        m = self.meta
+        trunc = (m["finish_reason"] == "length").to_numpy()
+        lines = [orjson.dumps({"dataset": d, "sample_id": _py(s), "failed": f, "truncated": bool(t)})
+                 for d, s, f, t in zip(m["dataset"], m["sample_id"], self.failed_lists(), trunc)]
+        if "turn" in m and m["turn"].notna().any():  # generate.turns: all: a verdict per turn (its SampleKey)
+            lines = [ln if t is None or t != t else ln[:-1] + b',"turn":%d}' % int(t) for ln, t in zip(lines, m["turn"])]
+        vp, sp = out / "verdicts.jsonl", out / "summary.json"
+        tmp = vp.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
+        tmp.replace(vp)
+        sp.write_bytes(orjson.dumps(self.summary(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        return vp, sp
+
+
+def _py(x: Any) -> Any:
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    return obj
+
+
+def _verdict(r: Any) -> str:
+    if r.not_run and not r.applicable:
+        return "not run"
+    if not r.applicable:
+        return "n/a"
+    if r.failed:
+        return f"FAIL {r.failed}/{r.applicable}"
+    return f"0/{r.applicable} (< {r.upper95:.2%})"
+
+
+def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
+                progress: bool = False, calibration: dict[str, Any] | None = None) -> AuditResult:
+    """Run every check that applies to this profile on the records of an IdTable.
+
+    The table may hold every journal line: the supersede rule keeps one row per key (the
+    record) and the replaced lines go to `AuditResult.superseded`, outside every count.
+    """
+    t0 = time.perf_counter()
+    table, superseded = split_superseded(table)
+    n = len(table)
+    fr = table.meta["finish_reason"].to_numpy(dtype=object)
+    st: dict[str, np.ndarray] = {
+        "record.complete": np.where(np.isin(fr, ["stop", "length"]), PASS, FAIL).astype(np.int8),
+        "record.has_ids": np.where(table.has_output & table.has_prompt, PASS, FAIL).astype(np.int8),
+    }
+    st["record.has_ids"][~np.isin(fr, ["stop", "length"])] = NA
+    s2, pos = structural_checks(table, profile)
+    st.update(s2)
+    if tokenizer is not None:
+        st["prompt.generation_prompt"] = suffix_check(table, generation_suffix(tokenizer, profile))
+    elif profile.prompt_ends_with_reasoning_open and profile.reasoning_open is not None:
+        st["prompt.generation_prompt"] = suffix_check(table, [profile.reasoning_open.id])
+    if tokenizer is not None:
+        st.update(tokenizer_checks(table, profile, tokenizer, pos, roundtrip=roundtrip, progress=progress))
+    st.update(cross_record_checks(table))
+    st.update(on_policy_checks(table))
+    billed, prompt_calibration = billed_prompt_checks(table, calibration)
+    st.update(billed)
+    cols = {}
+    for c in CHECK_NAMES:
+        chk = CHECKS[c]
+        if not chk.applies(profile):
+            cols[c] = np.full(n, NA, np.int8)
+        elif c in st:
+            cols[c] = st[c]
+        else:
+            cols[c] = np.full(n, NOT_RUN, np.int8)
+    status = pd.DataFrame(cols)
+    notes = []
+    if tokenizer is None:
+        notes.append("no tokenizer: " + ", ".join(c for c in CHECK_NAMES if (status[c] == NOT_RUN).all() and n)
+                     + " not run")
+    if len(superseded):
+        notes.append(f"{len(superseded)} journal line(s) superseded by a later line of the same sample "
+                     "(a retried error): shown in `superseded`, not audited, not counted")
+    for row in prompt_calibration:
+        if row["prompt_offset"] or row["off_offset"]:
+            cal = "calibrated" if row["calibrated"] else "not calibrated"
+            notes.append(f"billed prompt tokens, provider {row['provider']}, {row['dataset']}: offset "
+                         f"{row['prompt_offset']:+d} from the local template ({cal}, mode {row['mode']:+d} in "
+                         f"{row['mode_share']:.0%}), {row['off_offset']}/{row['records']} record(s) off it")
+    return AuditResult(table, profile, status, pos, tokenizer is not None, time.perf_counter() - t0, notes=notes,
+                       superseded=superseded, prompt_calibration=prompt_calibration)
+
+
+# --------------------------------------------------------------------------- damage assessment and the stage
+
+
+def prompt_length_groups(params: Any, result: AuditResult, tokenizer: Any) -> pd.DataFrame:
+    """Prompt lengths of done vs. skipped vs. cancelled samples, so a biased budget cut shows."""
+    from eagle3data.prompts.load import load_datasets, template_prompt
+
+    m = result.meta
+    df = pd.DataFrame({"dataset": m["dataset"].astype(str), "group": "done", "prompt_tokens": result.table.prompt_len})
+    df = df[result.table.has_prompt & m["finish_reason"].isin(["stop", "length"]).to_numpy()]
+    ledger = result.ledger or {}
+    wanted: dict[str, dict[str, str]] = {}
+    for name, d in ledger.get("datasets", {}).items():
+        for grp in ("skipped", "cancelled"):
+            for sid in d.get(f"{grp}_ids") or []:
+                wanted.setdefault(name, {})[str(sid)] = grp
+    if not wanted or tokenizer is None:
+        return df.reset_index(drop=True)
+    profile = get_profile(params.profile)
+    rows = []
+    for name, ps in load_datasets(params).items():
+        w = wanted.get(name)
+        if not w:
+            continue
+        for p in ps.prompts:
+            grp = w.get(str(p.sample_id))
+            if grp:
+                rows.append({"dataset": name, "group": grp, "prompt_tokens": len(template_prompt(tokenizer, p, profile))})
+    return pd.concat([df, pd.DataFrame(rows)], ignore_index=True)
+
+
+def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> AuditResult:
+    """Stage 03: audit every record of the run; write `audit/verdicts.jsonl` and `audit/summary.json`."""
+    from eagle3data.generate.ledger import read_ledger
+    from eagle3data.core.models import tokenizer_for
+    from eagle3data.core.provenance import write_provenance
+
+    run_dir = params.run_dir
+    if not (run_dir / "records").is_dir():
+        raise FileNotFoundError(f"no records at {run_dir / 'records'}: run 01_generate first")
+    write_provenance(run_dir, "03_audit", params)
+    profile = get_profile(params.profile)
+    tokenizer = tokenizer or tokenizer_for(params)
+    table = load_run(run_dir, source_fields=True)
+    result = audit_table(table, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip, progress=progress,
+                         calibration=params.reconstruct.count_calibration)
+    result.ledger = read_ledger(run_dir)
+    if not (run_dir / "reconstruct").is_dir() and (table.meta["source"] == "api").any():
+        result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")
+    result.skipped_lengths = prompt_length_groups(params, result, tokenizer)
+    result.write(run_dir / "audit")
+    return result
+
+
+def _cli_tokenizer(tokenizer: str | None, run_dir: Path, profile: Profile) -> tuple[Any, str]:
+    """The tokenizer for the CLI's text checks: `--tokenizer`, else the run's own (its recorded params); and why not."""
+    from eagle3data.core.models import load_tokenizer, tokenizer_for
+    from eagle3data.core.provenance import RunParamsError, params_of_run
+
+    if tokenizer:
+        return load_tokenizer(tokenizer, trust_remote_code=True, profile=profile), f"tokenizer {tokenizer}"
+    try:
+        params = params_of_run(run_dir)
+    except RunParamsError as e:
+        return None, f"no recorded params of the run ({e}); pass --tokenizer PATH"
+    try:
+        return tokenizer_for(params), f"the run's tokenizer ({params.model.tokenizer_path or params.model.path})"
+    except (OSError, ValueError) as e:
+        return None, f"the run's tokenizer cannot be loaded here ({type(e).__name__}: {str(e).splitlines()[0]}); " \
+                     "pass --tokenizer PATH"
+
+
+def audit_cli(records: str, *, profile: str | None, out: str, tokenizer: str | None = None,
+              allow_failed: bool = False) -> int:
+    """`python -m eagle3data audit RECORDS [--profile NAME] --out DIR [--tokenizer PATH] [--allow-failed]`.
+
+    The profile comes from the records when not given; the tokenizer checks run with `--tokenizer`
+    or the run's own tokenizer (from its recorded params), and the output says which or why not.
+    Exit status: 0 when no record failed, 1 when some did (a CI gate; `--allow-failed` exits 0),
+    2 when the input cannot be read.
+    """
+    import sys
+
+    path = Path(records)
+    paths = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    run_dir = path.parent if path.is_dir() else path.parent.parent
+    try:
+        if not paths:
+            raise AuditInputError(f"{path}: no *.jsonl journals in this folder")
+        tables = [read_journal(p, source_fields=True) for p in paths]
+        table = concat_tables(tables)
+        if table.bad_lines:
+            raise AuditInputError("unreadable lines:\n  " + "\n  ".join(table.bad_lines[:20]))
+        if len(table) == 0:
+            raise AuditInputError(f"{path}: no records")
+        named = sorted({str(p) for p in table.meta["profile"].dropna().unique()})
+        if profile is None:
+            if len(named) != 1:
+                raise AuditInputError(f"{path}: the records name {'no profile' if not named else 'profiles ' + ', '.join(named)}: "
+                                      "pass --profile NAME")
+            profile = named[0]
+        prof = get_profile(profile)
+        table = merge_reconstruct(table, run_dir)
+        tok, why = _cli_tokenizer(tokenizer, run_dir, prof)
+    except KeyError as e:
+        print(f"audit: {e.args[0]}", file=sys.stderr)
+        return 2
+    except (AuditInputError, OSError) as e:
+        print(f"audit: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a profile/tokenizer mismatch and the like
+        print(f"audit: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        return 2
+    result = audit_table(table, prof, tokenizer=tok)
+    vp, sp = result.write(out)
+    s = result.summary()
+    print(f"audited {s['records']} records ({s['output_tokens']} output tokens, profile {prof.name}) in "
+          f"{result.seconds:.2f} s: {s['records_failed']} failed, {s['records_truncated']} truncated")
+    print(f"tokenizer checks: {'run with ' + why if tok is not None else 'NOT RUN: ' + why}")
+    if s["superseded_lines"]:
+        print(f"superseded: {s['superseded_lines']} earlier journal line(s) replaced by a later line of the same "
+              "sample (a retried error): not audited")
+    if table.torn_tail_bytes:
+        print(f"torn tail: {table.torn_tail_bytes} bytes after the last complete line (a write cut off): ignored")
+    for name, c in s["checks"].items():
+        if c["failed"]:
+            print(f"  {name}: {c['failed']}/{c['applicable']} failed")
+    print(f"wrote {vp} and {sp}")
+    return 1 if s["records_failed"] and not allow_failed else 0

@@ -1,0 +1,9 @@
+"""The core every stage uses: params, the model's turn (profiles), the run's records and its one reader.
+
+Owns the strict params of every stage (`params`), model profiles and the one split of output
+ids (`profiles`, `spans`), the journal (`records`) and the one reader of a run with its one
+sample key (`reader.SampleKey.of(row)`), what ran (`provenance`), model and tokenizer loading
+(`models`), honest bounds (`stats`), the live progress line (`progress`) and the one base of
+user errors (`errors`). May import only itself (and `prompts.formats`, the registry whose
+names the params validate); every other package imports it.
+"""

@@ -1,0 +1,399 @@
+"""Exports for drafter trainers: SpecForge and vllm speculators, plus the EAGLE-3 draft vocabulary.
+
+A run's samples go out in two forms: text conversations (`id`, `conversations` with `role`,
+`content`, `reasoning_content`) for trainers that re-template, and token-level records
+(`input_ids`, `loss_mask`, per-sample metadata) that keep this project's exact ids.
+
+What goes out is exactly 04's training mix (`hidden/mix.parquet`: same keys, same order, the
+same ids and loss masks), so the one selection rule of `mix.py` decides, and every sample left
+out carries its one reason from `mix.DROP_REASONS` into `manifest.json`. When 04 has stored
+hidden states, the export checks that the hidden-state index holds exactly the mix's keys in
+order. Without a written mix (04 off), the mix is built here with the same rule.
+
+The draft vocabulary (`vocab.py`) is computed once per export, from the exported samples, and
+written beside every format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+import orjson
+
+from eagle3data.core.reader import RunFileError, Sample, SampleKey, read_run
+from eagle3data.export.vocab import (DraftVocab, VocabError, build_draft_vocab, coverage_curve, load_draft_vocab,  # noqa: F401
+                    output_token_counts, save_draft_vocab)
+
+Format = Literal["specforge", "speculators"]
+FORMATS: tuple[str, ...] = ("specforge", "speculators")
+META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")
+
+
+class ExportError(RunFileError):
+    """Input to an export is unusable; the message names the file, line and field."""
+
+
+def token_record(s: Sample) -> dict[str, Any]:
+    """The token-level line of a sample: id (its key), the row it is made from, input_ids, loss_mask."""
+    meta = {k: getattr(s, k) for k in META_FIELDS}
+    return {"id": str(s.key), **meta, "input_ids": s.input_ids, "loss_mask": s.loss_mask}
+
+
+@dataclass
+class Selection:
+    """What a run offers for export: the samples kept, and each skipped one with its reason."""
+
+    samples: list[Sample] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    verdicts_present: bool = False
+    include_failed: bool = False
+    mix_source: str = ""  # where the mix came from: hidden/mix.parquet, or built here
+
+    def skipped_counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(s["reason"] for s in self.skipped).items()))
+
+    def table(self):
+        """Per dataset: exported samples, exact vs rebuilt ids, output tokens, skipped by reason."""
+        import pandas as pd
+
+        rows: dict[str, dict[str, int]] = {}
+        for s in self.samples:
+            r = rows.setdefault(s.dataset, Counter())
+            r["exported"] += 1
+            r["ids_exact"] += int(s.ids_exact)
+            r["ids_rebuilt"] += int(not s.ids_exact)
+            r["output_tokens"] += int(sum(s.loss_mask))
+        for s in self.skipped:
+            rows.setdefault(s["dataset"], Counter())[f"skipped_{s['reason']}"] += 1
+        df = pd.DataFrame.from_dict(rows, orient="index").fillna(0).astype(int).sort_index()
+        df.index.name = "dataset"
+        return df
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def select_samples(params: Any) -> Selection:
+    """The samples to export: 04's training mix in mix order, each with its record; the mix's drops as skips.
+
+    Reads the written mix (`hidden/mix.parquet`) when there is one and checks it against the
+    hidden-state index when 04 stored states; otherwise builds the mix with the same rule
+    (without writing it). The records come through the one reader, read once.
+    """
+    from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
+    from eagle3data.core.models import context_limit
+
+    run_dir = params.run_dir
+    if not (run_dir / "records").is_dir():
+        raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
+    hdir = hidden_dir(params)
+    if (hdir / MIX_FILE).exists():
+        mix, where = read_mix(hdir), f"{hdir / MIX_FILE} (04's mix)"
+        _check_index(hdir, mix)
+        view = read_run(run_dir, sorted({s.dataset for s in mix.samples}), error=ExportError,
+                        rebuilt=False, verdicts=False)
+    else:
+        view = read_run(run_dir, [d.name for d in params.datasets if (run_dir / "records" / f"{d.name}.jsonl").exists()],
+                        error=ExportError)
+        mix = build_mix(params, write=False, view=view, max_context=context_limit(params))
+        where = "built here with the mix rule (no hidden/mix.parquet: 04 has not run)"
+    records = view.by_key()
+    samples = []
+    for s in mix.samples:
+        rec = records.get(s.key)
+        if rec is None:
+            raise ExportError(f"{hdir / MIX_FILE}: sample {s.key} is not among the run's records: the mix is stale, "
+                              "rebuild it (run 04 again)")
+        samples.append(dataclasses.replace(s, finish_reason=rec.get("finish_reason"), record=rec))
+    man = mix.manifest
+    return Selection(samples=samples, skipped=list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
+                     include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where)
+
+
+def _check_index(hdir: Path, mix: Any) -> None:
+    """When 04 stored hidden states, its index must hold exactly the mix's keys, in mix order."""
+    import pyarrow.parquet as pq
+
+    from eagle3data.hidden.extract import INDEX_FILE
+    from eagle3data.hidden.store import index_keys
+
+    path = hdir / INDEX_FILE
+    if not path.exists():
+        return
+    stored = [str(k) for k in index_keys(pq.read_table(path).to_pandas())]
+    want = [str(s.key) for s in mix.samples]
+    if stored != want:
+        first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))
+        raise ExportError(f"{path}: the hidden-state index ({len(stored)} samples) differs from the mix "
+                          f"({len(want)}) at position {first}: finish 04 (or run it again) before exporting")
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def conversation(rec: dict[str, Any]) -> dict[str, Any]:
+    """SpecForge-style conversation: the prompt messages, then the response as an assistant turn.
+
+    Every assistant turn carries `reasoning_content` (empty string when there was none); tool
+    calls go on the response turn as `tool_calls`, tool definitions as top-level `tools`.
+    """
+    turns: list[dict[str, Any]] = []
+    for m in rec.get("messages") or []:
+        t = {"role": m.get("role"), "content": m.get("content") if m.get("content") is not None else ""}
+        if t["role"] == "assistant":
+            t["reasoning_content"] = m.get("reasoning_content", m.get("reasoning")) or ""
+        for k in ("tool_calls", "tool_call_id", "name"):
+            if m.get(k) is not None:
+                t[k] = m[k]
+        turns.append(t)
+    reply: dict[str, Any] = {"role": "assistant", "content": rec.get("content") or "",
+                             "reasoning_content": rec.get("reasoning") or ""}
+    if rec.get("tool_calls"):
+        reply["tool_calls"] = rec["tool_calls"]
+    turns.append(reply)
+    out: dict[str, Any] = {"id": str(SampleKey.of(rec)), "conversations": turns}
+    if rec.get("tools"):
+        out["tools"] = rec["tools"]
+    return out
+
+
+# ---------------------------------------------------------------- writers
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    n = 0
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write(orjson.dumps(r) + b"\n")
+            n += 1
+    return n
+
+
+def _write_parquet(path: Path, samples: list[Sample]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "id": pa.array([str(s.key) for s in samples], pa.string()),
+        "dataset": pa.array([s.dataset for s in samples], pa.string()),
+        "sample_id": pa.array([str(s.sample_id) for s in samples], pa.string()),
+        "turn": pa.array([s.turn for s in samples], pa.int32()),
+        "source": pa.array([s.source for s in samples], pa.string()),
+        "ids_exact": pa.array([s.ids_exact for s in samples], pa.bool_()),
+        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
+        "input_ids": pa.array([s.input_ids for s in samples], pa.list_(pa.int64())),
+        "loss_mask": pa.array([s.loss_mask for s in samples], pa.list_(pa.int8())),
+    })
+    pq.write_table(table, path)
+
+
+def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, counts: np.ndarray,
+           vocab: DraftVocab, params: Any = None) -> dict[str, Any]:
+    """Write one trainer format of the selection plus its draft vocabulary into `out`; returns the manifest.
+
+    `counts` and `vocab` are the selection's output-token counts and draft vocabulary,
+    computed once for every format (`run_export`). With `params` and 04's stored hidden states,
+    the trainer's own layout is written too (`handoff.write_handoff`: hardlinked when
+    `hidden.layout` is this trainer's, else converted with a disk check).
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    run_dir, out = Path(run_dir), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    save_draft_vocab(vocab, out / "draft_vocab.safetensors")
+    files["draft_vocab.safetensors"] = "d2t int64 [draft_vocab] (target_id = draft_id + d2t), t2d bool [target_vocab]"
+    if fmt == "specforge":
+        import torch
+
+        _write_jsonl(out / "conversations.jsonl", (conversation(s.record) for s in sel.samples))
+        files["conversations.jsonl"] = "SpecForge conversations (id, conversations[role, content, reasoning_content], tools): text, re-templated by the trainer"
+        _write_jsonl(out / "token_ids.jsonl", (token_record(s) for s in sel.samples))
+        files["token_ids.jsonl"] = "token-level records (id, dataset, sample_id, turn, source, ids_exact, finish_reason, input_ids, loss_mask): exact ids"
+        torch.save({"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
+                   out / "vocab_mapping.pt")
+        files["vocab_mapping.pt"] = "torch dict {d2t, t2d}: SpecForge's vocab mapping file"
+    else:
+        import torch
+
+        _write_parquet(out / "data.parquet", sel.samples)
+        files["data.parquet"] = "token-level records (input_ids, loss_mask + metadata columns): exact ids"
+        nz = np.flatnonzero(counts)
+        torch.save({int(i): int(counts[i]) for i in nz}, out / "token_freq.pt")
+        files["token_freq.pt"] = "torch dict {token_id: count} of output tokens (loss_mask 1)"
+        np.save(out / "d2t.npy", vocab.d2t)
+        np.save(out / "t2d.npy", vocab.t2d)
+        files["d2t.npy"] = "draft-to-target offsets, int64"
+        files["t2d.npy"] = "target-in-draft membership, bool"
+    handoff: dict[str, Any] | str = "not written: no params given"
+    if params is not None:
+        handoff = _handoff(params, sel, out, fmt, vocab)
+    manifest = {
+        "format": fmt,
+        "run_dir": str(run_dir),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "selection": {"mix": sel.mix_source, "verdicts_present": sel.verdicts_present,
+                      "include_failed": sel.include_failed,
+                      "rule": ("04's training mix: records that passed every audit check"
+                               if sel.verdicts_present and not sel.include_failed
+                               else "04's training mix, NO audit filter (no verdicts, or hidden.include_failed)")},
+        "exported": len(sel.samples),
+        "ids_exact": sum(s.ids_exact for s in sel.samples),
+        "ids_rebuilt": sum(not s.ids_exact for s in sel.samples),
+        "tokens": sum(len(s.input_ids) for s in sel.samples),
+        "output_tokens": int(counts.sum()),
+        "skipped": sel.skipped_counts(),
+        "skipped_samples": sel.skipped,
+        "draft_vocab": vocab.summary(),
+        "files": files,
+        "handoff": handoff if isinstance(handoff, str) else {k: handoff[k] for k in (
+            "plan", "linked_files", "converted_files", "converted_bytes", "rows", "final_state", "store_layout",
+            "files", "specforge_target") if k in handoff},
+    }
+    (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    return manifest
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def params_of_run(run_dir: Path) -> Any:
+    """The params a run folder was made with (`provenance.params_of_run`); problems are ExportErrors."""
+    from eagle3data.core.provenance import RunParamsError, params_of_run as read
+
+    if not (run_dir / "records").is_dir():
+        raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
+    try:
+        return read(run_dir)
+    except RunParamsError as e:
+        raise ExportError(str(e)) from None
+
+
+@dataclass
+class ExportResult:
+    """What `run_export` wrote: the manifests per format, the selection, the draft vocabulary."""
+
+    out_dir: Path
+    manifests: dict[str, dict[str, Any]]
+    selection: Selection
+    counts: np.ndarray
+    vocab: DraftVocab
+
+    def table(self):
+        """Per dataset: exported samples, exact vs rebuilt ids, output tokens, skipped by reason."""
+        return self.selection.table()
+
+    def files_table(self):
+        """Every file written, with its size and what it holds."""
+        import pandas as pd
+
+        rows = []
+        for fmt, m in self.manifests.items():
+            ho = m.get("handoff") if isinstance(m.get("handoff"), dict) else {}
+            for name, what in list(m["files"].items()) + list((ho.get("files") or {}).items()):
+                size = sum(_bytes(self.out_dir / fmt, part.strip()) for part in name.split(","))
+                rows.append({"format": fmt, "file": name, "bytes": size, "holds": what})
+        return pd.DataFrame(rows, columns=["format", "file", "bytes", "holds"])
+
+    def coverage_figure(self, sizes: Iterable[int] | None = None):
+        """Coverage of output tokens against draft vocabulary size, the chosen size marked."""
+        import matplotlib.pyplot as plt
+
+        n = len(self.vocab.d2t)
+        top = max(n, int(self.vocab.distinct_output_tokens), 2)
+        sizes = sorted(set(sizes or np.unique(np.geomspace(1, top, 60).astype(int)).tolist()) | {n})
+        curve = coverage_curve(self.counts, sizes)
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(list(curve), [100 * v for v in curve.values()], color="tab:blue")
+        ax.axvline(n, color="tab:red", ls="--", label=f"draft vocab {n}: {100 * self.vocab.coverage:.2f}%")
+        ax.set_xscale("log")
+        ax.set_xlabel("draft vocabulary size (most frequent output tokens)")
+        ax.set_ylabel("output tokens covered (%)")
+        ax.set_ylim(0, 101)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        plt.close(fig)  # shown once, as the cell's value (not again by the inline backend)
+        return fig
+
+
+def _bytes(folder: Path, pattern: str) -> int:
+    """Bytes of the files a manifest entry names (a file, a folder `x/`, or a glob such as `data-*.arrow`).
+
+    A symlink counts nothing (SpecForge's `target/` links to the model's files: no copy)."""
+    out = 0
+    for p in folder.glob(pattern.rstrip("/")):
+        if p.is_symlink():
+            continue
+        out += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink()) if p.is_dir() \
+            else p.stat().st_size
+    return out
+
+
+def _handoff(params: Any, sel: Selection, out: Path, fmt: str, vocab: DraftVocab) -> dict[str, Any] | str:
+    """The trainer's own layout of the mix, or why it is not written (04 has stored no hidden states)."""
+    from eagle3data.export.handoff import write_handoff
+    from eagle3data.hidden.extract import INDEX_FILE
+    from eagle3data.hidden.mix import hidden_dir
+
+    if not (hidden_dir(params) / INDEX_FILE).exists():
+        return "not written: 04 has stored no hidden states (no hidden/index.parquet); token files only"
+    return write_handoff(params, sel.samples, out, fmt, vocab=vocab)
+
+
+def _counts_and_vocab(params: Any, sel: Selection) -> tuple[np.ndarray, DraftVocab]:
+    """The selection's output-token counts and its draft vocabulary: computed once per export."""
+    from eagle3data.core.profiles import get_profile
+
+    counts = output_token_counts(sel.samples, get_profile(params.profile).vocab_size)
+    return counts, build_draft_vocab(counts, params.export.draft_vocab_size)
+
+
+def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] | None = None) -> ExportResult:
+    """Export 04's mix in each format (`export.formats`) into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
+    from eagle3data.core.provenance import write_provenance
+
+    run_dir = params.run_dir
+    out = Path(out) if out else run_dir / "export"
+    sel = select_samples(params)
+    counts, vocab = _counts_and_vocab(params, sel)
+    formats = list(formats if formats is not None else params.export.formats)
+    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params)  # type: ignore[arg-type]
+                 for fmt in formats}
+    save_draft_vocab(vocab, out / "draft_vocab.safetensors")
+    write_provenance(run_dir, "05_export", params)
+    return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
+
+
+def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
+    """Export 04's mix of a run in one format into `out` (what `eagle3data export` does); returns the manifest."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    sel = select_samples(params)
+    counts, vocab = _counts_and_vocab(params, sel)
+    return export(params.run_dir, out, fmt, sel, counts, vocab, params)  # type: ignore[arg-type]
+
+
+def export_cli(run: str, *, fmt: str, out: str) -> int:
+    """`python -m eagle3data export RUN --format specforge|speculators --out DIR`."""
+    run_dir = Path(run)
+    try:
+        m = export_format(params_of_run(run_dir), out, fmt)
+    except (ExportError, KeyError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    skipped = ", ".join(f"{k} {v}" for k, v in m["skipped"].items()) or "none"
+    print(f"exported {m['exported']} samples ({m['ids_exact']} exact ids, {m['ids_rebuilt']} rebuilt), "
+          f"{m['output_tokens']} output tokens -> {out}")
+    print(f"skipped: {skipped}")
+    dv = m["draft_vocab"]
+    print(f"draft vocab {dv['draft_vocab_size']} of {dv['target_vocab_size']}: coverage {dv['coverage']:.2%}"
+          + (f" ({dv['filled']} ids filled: fewer distinct output tokens than the size)" if dv["filled"] else ""))
+    return 0

@@ -1,0 +1,698 @@
+"""Stage 04: EAGLE-3 hidden states of the training mix, in large bf16 safetensors shards plus an index.
+
+For every token of prompt + output the drafter trains on the states of the target: the
+outputs of three decoder layers chosen by the profile's rule (`profiles.aux_layers` on the
+model's real layer count) and the final state (`hidden.final_state`): `pre_norm`, the output
+of the last decoder layer (speculators applies the verifier's norm itself), `post_norm`, the
+final norm's output exactly as the model computes it (SpecForge's target head is a bare
+`lm_head`), or `both` (the default). Post-norm is norm(pre-norm) in the model's own compute
+dtype; from a stored bf16 pre-norm it can only be recomputed approximately, so a run for
+SpecForge stores it. They are captured with forward hooks on those layers, the last layer
+and the final norm during a forward of the decoder alone (no LM head, no copy of the other
+layers), batched by a token budget over sequences of similar length; padding is computed
+but never stored. Which states a store holds is recorded in every file's metadata and in
+`index.json` (`states`, `final_state`, `layout`).
+
+On disk (`<run>/hidden/` or `hidden.out_dir`):
+- `mix.parquet`, `mix_manifest.json`: the training mix (see `mix.py`).
+- `shards/rRRR-NNNNN.safetensors`: `hidden_states` [tokens, 4, hidden] (bf16 by default),
+  `input_ids` [tokens] int32, `loss_mask` [tokens] uint8, samples concatenated; the shard's
+  metadata lists its samples (offset, length) so shards describe themselves. A shard is
+  written to `.tmp` and renamed when complete: a crash leaves at most a `.tmp`, which the
+  next run discards and redoes.
+- or, with `hidden.layout` `specforge` / `speculators`, one file per sample in that trainer's
+  own format under `samples/` (`p<position>.ckpt`: `input_ids`, `loss_mask`, `hidden_state`
+  [1, n, H] post-norm, `aux_hidden_state` [1, n, 3H]; `p<position>.safetensors`:
+  `hidden_states` [n, 4, H] = 3 aux + pre-norm, `token_ids` [n] int64, `loss_mask`), each with
+  the same `eagle3data` metadata. The 05 hand-off (`handoff.py`) hardlinks these files into
+  the trainer's folder instead of copying them.
+- `index.parquet` (one row per sample: dataset, sample_id, source, ids_exact, position in
+  the mix, shard (file), offset, length, loss_tokens) and `index.json` (layers, states, sizes, skipped).
+
+One plan: `plan_extract(params)` builds the mix once, with the model's context limit (longer
+samples are dropped as `too_long`, never fed to the model), the layer plan, this worker's work
+and its estimate; `run_extract(params, plan=plan)` executes exactly that plan, and
+`run_extract(params)` is `run_extract(params, plan=plan_extract(params))`. The notebook calls
+the same two functions and only shows the plan in between.
+
+Workers: `RANK`/`WORLD_SIZE` (as `torchrun` sets them) pick a deterministic disjoint part of
+the mix (mix position modulo world size); each writes its own shards; the worker that finds
+every sample stored merges the one index (`merge_index` does it on demand).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix, source_sequences, tmp_tag  # noqa: F401
+from eagle3data.core.models import context_limit
+from eagle3data.core.params import RunParams
+from eagle3data.core.profiles import AuxLayers, get_profile
+from eagle3data.core.progress import Progress
+from eagle3data.core.reader import Sample, SampleKey
+# the store on disk (re-exported: `from eagle3data.hidden.extract import HiddenReader` keeps working)
+from eagle3data.hidden.store import (AUX_NAMES, FINAL_NAMES, ID_MASK_BYTES, INDEX_FILE, INFO_FILE, SAMPLE_DIR,  # noqa: F401
+                    SAMPLE_SUFFIX, SHARD_DIR, STATE_NAMES, HiddenError, HiddenReader, SampleFileWriter, ShardScan,
+                    ShardWriter, Validation, _torch_dtype, bytes_per_token, handoff_bytes_per_token,
+                    read_sample_file, read_shard_meta, sample_dir, scan_shards, shard_dir, state_names,
+                    validate_store, write_sample_file)
+from eagle3data.hidden.store import Estimate, _free_bytes, check_disk  # noqa: F401  (04's disk estimate)
+
+STAGE = "04_extract_hidden"
+
+# ---------------------------------------------------------------------------- model and capture
+
+
+def decoder_of(model: Any) -> Any:
+    """The decoder stack of a causal LM (holds `.layers` and the final `.norm`)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
+        raise HiddenError(f"{type(model).__name__}: cannot find decoder `.layers` and final `.norm` to hook")
+    return dec
+
+
+def text_config(config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_plan(params: RunParams, config: Any) -> AuxLayers:
+    """The profile's EAGLE-3 layers for the model's real layer count (from its config)."""
+    return get_profile(params.profile).aux_layers(int(text_config(config).num_hidden_layers))
+
+
+class Capture:
+    """Forward hooks on the three auxiliary decoder layers and the final state(s) of a model.
+
+    `run(input_ids, attention_mask)` forwards the decoder alone and returns the states
+    `[batch, seq, S, hidden]` in the storage dtype, in the order of `state_names(final_state)`:
+    aux low, mid, high, then the last decoder layer's output (`pre_norm`) and/or the final
+    norm's output (`post_norm`), each exactly as the model computes it; other layers' outputs
+    are never kept. Use as a context manager so the hooks are removed afterwards.
+    """
+
+    def __init__(self, model: Any, layers: AuxLayers, store_dtype: Any, final_state: str = "both"):
+        self.decoder = decoder_of(model)
+        n = len(self.decoder.layers)
+        if n != layers.num_layers:
+            raise HiddenError(f"model has {n} decoder layers but the layer plan is for {layers.num_layers}")
+        self.layers = layers
+        self.dtype = store_dtype
+        self.names = state_names(final_state)
+        finals = {"pre_norm": self.decoder.layers[n - 1], "post_norm": self.decoder.norm}
+        mods = [self.decoder.layers[i] for i in layers.layer_outputs] + [finals[x] for x in FINAL_NAMES[final_state]]
+        self._n = len(mods)
+        self._out: list[Any] = [None] * self._n
+        self._handles: list[Any] = []
+        for slot, mod in enumerate(mods):
+            self._handles.append(mod.register_forward_hook(self._hook(slot)))
+        self.input_device = self.decoder.get_input_embeddings().weight.device
+
+    def _hook(self, slot: int):
+        def hook(_mod: Any, _inp: Any, out: Any) -> None:
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            self._out[slot] = t.detach().to(self.dtype)
+
+        return hook
+
+    def run(self, input_ids: Any, attention_mask: Any = None) -> Any:
+        import torch
+
+        self._out = [None] * self._n
+        with torch.inference_mode():
+            self.decoder(input_ids=input_ids.to(self.input_device),
+                         attention_mask=None if attention_mask is None else attention_mask.to(self.input_device),
+                         use_cache=False)
+        if any(t is None for t in self._out):
+            raise HiddenError("a capture hook did not fire: the model skipped a hooked module")
+        dev = self._out[-1].device
+        states = torch.stack([t.to(dev) for t in self._out], dim=2)
+        self._out = [None] * self._n
+        return states
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "Capture":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+MAX_PAD_SHARE = 0.2  # a batch whose padding would pass this share of its size is closed first
+
+
+def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group sequence indices by similar length so that rows x longest <= batch_tokens; longest first.
+
+    Sequences are taken shortest first; a batch is closed when the next one would pass the
+    token budget or make padding more than MAX_PAD_SHARE of the batch. A sequence longer than
+    the budget goes alone. Longest batches come first so that an out-of-memory shows in the
+    first minute, not the last.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        padded = lengths[i] * (len(cur) + 1)
+        if cur and (padded > batch_tokens or 1 - (real + lengths[i]) / padded > MAX_PAD_SHARE):
+            batches.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches[::-1]
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[Any, Any]:
+    """Right-padded `input_ids` and `attention_mask` (None when no row needs padding)."""
+    import torch
+
+    longest = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[r, : len(s)] = 1
+    return ids, (None if bool(mask.all()) else mask)
+
+
+# ---------------------------------------------------------------------------- environment
+
+
+def dist_env() -> tuple[int, int]:
+    """(rank, world_size) from the torch.distributed environment (`torchrun` sets RANK/WORLD_SIZE)."""
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise HiddenError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                          "must be integers") from None
+    if world < 1 or not 0 <= rank < world:
+        raise HiddenError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
+    return rank, world
+
+
+def worker_device(params: RunParams) -> str:
+    """The device of this worker: `cuda` becomes `cuda:<LOCAL_RANK>` under torchrun."""
+    dev = params.model.device
+    if dev == "cuda" and "LOCAL_RANK" in os.environ and not params.model.device_map:
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return dev
+
+
+def load_extract_model(params: RunParams) -> Any:
+    """The target model for this worker (params' dtype and device_map; device per LOCAL_RANK)."""
+    from eagle3data.core.models import load_model
+
+    m = params.model
+    return load_model(m.path, dtype=m.dtype, device=worker_device(params), device_map=m.device_map,
+                      trust_remote_code=m.trust_remote_code)
+
+
+def load_config(params: RunParams) -> Any:
+    """The model's config without loading weights (layer count, hidden size, context)."""
+    from transformers import AutoConfig
+
+    from eagle3data.core.models import resolve_model_path
+
+    return AutoConfig.from_pretrained(str(resolve_model_path(params.model.path)),
+                                      trust_remote_code=params.model.trust_remote_code)
+
+
+# ---------------------------------------------------------------------------- estimate
+
+
+def probe(capture: Capture, seqs: list[list[int]], batches: list[list[int]], k: int) -> tuple[int, float]:
+    """Time `k` batches spread over the plan (nothing stored); return (tokens, seconds)."""
+    if k <= 0 or not batches:
+        return 0, 0.0
+    picks = sorted({round(j * (len(batches) - 1) / max(k - 1, 1)) for j in range(min(k, len(batches)))})
+    capture.run(*pad_batch([seqs[i] for i in batches[picks[-1]]][:1]))  # warm-up, not timed
+    toks, secs = 0, 0.0
+    for b in picks:
+        ids, mask = pad_batch([seqs[i] for i in batches[b]])
+        t0 = time.perf_counter()
+        capture.run(ids, mask)
+        _sync()
+        secs += time.perf_counter() - t0
+        toks += sum(len(seqs[i]) for i in batches[b])
+    return toks, secs
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- run
+
+
+class _ExtractLine:
+    """04's live line (notebook, terminal, `progress.json` for `eagle3data run`): samples, tokens, rate, ETA."""
+
+    def __init__(self, rank: int, samples: int, tokens: int, progress: Any):
+        self.rank, self.samples, self.tokens, self.progress = rank, samples, tokens, progress
+        self._last = 0.0
+
+    def update(self, stats: dict[str, Any], elapsed: float, final: bool = False) -> None:
+        from eagle3data.core.progress import fmt_duration, fmt_tokens
+
+        now = time.monotonic()
+        if not final and now - self._last < 1.0:
+            return
+        self._last = now
+        done = stats["tokens"]
+        rate = done / elapsed if elapsed > 0 and done else None
+        eta = (self.tokens - done) / rate if rate else None
+        parts = [f"extract r{self.rank} {stats['extracted']:,}/{self.samples:,} samples",
+                 f"{fmt_tokens(done)}/{fmt_tokens(self.tokens)} tok"]
+        if rate:
+            parts.append(f"{rate:,.0f} tok/s")
+        parts.append(f"elapsed {fmt_duration(elapsed)}")
+        if not final and eta is not None:
+            parts.append(f"ETA {fmt_duration(eta)}")
+        if stats.get("stop_reason"):
+            parts.append(f"stopped: {stats['stop_reason']}")
+        self.progress.update(" · ".join(parts), final=final,
+                             figures={"samples": self.samples, "extracted": stats["extracted"], "tokens": done,
+                                      "planned_tokens": self.tokens, "tokens_per_s": rate, "eta_s": eta})
+
+
+@dataclass
+class WorkPlan:
+    """This worker's share of the mix: samples still to extract, and those too long for the model."""
+
+    rank: int
+    world_size: int
+    part: list[tuple[int, Sample]]
+    todo: list[tuple[int, Sample]]
+    too_long: list[dict[str, Any]]
+    max_context: int
+    scan: ShardScan
+
+
+def plan_work(params: RunParams, mix: Mix, *, rank: int, world_size: int) -> WorkPlan:
+    """Split the mix for this rank and leave out samples already in finished shards (reads headers only).
+
+    Too-long sequences never reach here: the mix drops them (`too_long`, reported with the plan).
+    """
+    hdir = hidden_dir(params)
+    max_ctx = (mix.manifest.get("settings") or {}).get("max_context") or 0  # the limit the mix was built with
+    part = [(i, s) for i, s in enumerate(mix.samples) if i % world_size == rank]
+    too_long = [d for d in mix.dropped if d["reason"] == "too_long"]
+    scan = scan_shards(hdir)  # deletes nothing: run_extract discards partial files when it executes the plan
+    scan.check_kind(params.hidden.layout, state_names(params.hidden.final_state), hdir)
+    done = scan.done_keys()
+    todo = [(i, s) for i, s in part if s.key not in done]
+    return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
+
+
+def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, mix: Mix | None = None) -> Estimate:
+    """Bytes (tokens x states x hidden x dtype + ids + mask) and free disk of the work left (the time
+    comes from `probe`); with the mix, what its turn records cost (`Estimate.turn_cost`)."""
+    hp = params.hidden
+    hsize = int(text_config(config).hidden_size)
+    bpt = bytes_per_token(hsize, hp.dtype, len(state_names(hp.final_state)), hp.layout)
+    tokens = sum(len(s.input_ids) for _, s in plan.todo)
+    hdir = hidden_dir(params)
+    est = Estimate(len(plan.todo), tokens, hsize, bpt, tokens * bpt, _free_bytes(hdir), hp.disk_margin,
+                   layout=hp.layout, final_state=hp.final_state, dtype=hp.dtype,
+                   store_tokens=sum(len(s.input_ids) for _, s in plan.part),
+                   turns=None if mix is None else mix.manifest.get("turns"))
+    return est
+
+
+@dataclass
+class ExtractPlan:
+    """Stage 04's one plan: made once by `plan_extract`, shown by the notebook, executed as is by `run_extract`.
+
+    `mix`: the training mix, built with the model's context limit (`models.context_limit`; longer
+    samples dropped as `too_long`) and written once to `hidden/mix.parquet`: nothing after
+    `plan_extract` rebuilds or rewrites it. `layers`: the profile's layers on the model's real
+    layer count. `work`: this worker's share and what is left of it. `estimate`: bytes and free
+    disk for `work.todo` and, when a model was at hand, the timed probe. `model`: the model that
+    executes the plan (None when nothing is left, the disk lacks room, or it was not to be loaded).
+    """
+
+    params: RunParams = field(repr=False)
+    rank: int
+    world_size: int
+    config: Any = field(repr=False)
+    max_context: int | None
+    mix: Mix = field(repr=False)
+    layers: AuxLayers
+    work: WorkPlan = field(repr=False)
+    estimate: Estimate
+    model: Any = field(default=None, repr=False)
+    executed: bool = False
+
+    def layers_line(self) -> str:
+        """The layers captured, in both conventions (HF `hidden_states` index and decoder layer outputs)."""
+        lay, hp = self.layers, self.params.hidden
+        return (f"{lay.num_layers} decoder layers: HF hidden_states index {list(lay.hf_indices)} "
+                f"= outputs of layers {list(lay.layer_outputs)}, then the final state: {hp.final_state} "
+                f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {hp.layout}")
+
+    def context_line(self) -> str:
+        """The context limit the mix was built with, and what it dropped."""
+        n = sum(1 for d in self.mix.dropped if d["reason"] == "too_long")
+        if not self.max_context:
+            return "context limit: none known (no model.max_context, no max_position_embeddings): none too long"
+        return (f"context limit: {self.max_context:,} tokens (prompt + output); "
+                f"{n} sample{'s' if n != 1 else ''} longer dropped as too_long, never truncated")
+
+
+def plan_extract(params: RunParams, *, model: Any = None, load_model: bool = True) -> ExtractPlan:
+    """Stage 04's one plan for this worker: the mix (written once), the layers, the work left and its estimate.
+
+    The mix is built with the model's context limit, so the samples the model cannot take are
+    dropped (`too_long`) before anything is planned: the estimate, the extraction, the index
+    and 05 all see this one mix. Reads shard headers only and deletes nothing. With work to do,
+    room on the disk and `load_model`, the target model is loaded (unless given) and
+    `hidden.probe_batches` batches are timed; `run_extract(params, plan=plan)` then executes
+    exactly this plan with that model.
+    """
+    rank, world = dist_env()
+    config = model.config if model is not None else load_config(params)
+    max_ctx = context_limit(params, config)
+    mix = build_mix(params, max_context=max_ctx)  # written once: nothing below rebuilds or rewrites it
+    layers = layer_plan(params, config)
+    work = plan_work(params, mix, rank=rank, world_size=world)
+    est = estimate_extract(params, work, config, mix)
+    if model is None and load_model and work.todo and est.fits:
+        model = load_extract_model(params)
+    if model is not None and work.todo and params.hidden.probe_batches > 0:
+        seqs = [s.input_ids for _, s in work.todo]
+        batches = plan_batches([len(x) for x in seqs], params.hidden.batch_tokens)
+        with Capture(model, layers, _torch_dtype(params.hidden.dtype), params.hidden.final_state) as cap:
+            est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, params.hidden.probe_batches)
+    return ExtractPlan(params, rank, world, config, max_ctx, mix, layers, work, est, model)
+
+
+def estimate(params: RunParams, *, model: Any = None) -> Estimate:
+    """Size of what this worker still has to extract, the free disk, and (given a model) a timed probe.
+
+    The estimate of a plan of its own (`plan_extract(params, model=model, load_model=False)`;
+    it writes the same mix a run would): to look before running. The estimate of the plan a
+    run executes is `plan.estimate`. Reads nothing but headers and deletes nothing.
+    """
+    return plan_extract(params, model=model, load_model=False).estimate
+
+
+@dataclass
+class ExtractResult:
+    """What one worker did, and (when it merged) the index and the validation of the whole store."""
+
+    hidden_dir: Path
+    rank: int
+    world_size: int
+    mix_manifest: dict[str, Any]
+    estimate: Estimate | None
+    stats: dict[str, Any]
+    too_long: list[dict[str, Any]]
+    merged: bool
+    index: Any = None
+    validation: "Validation | None" = None
+    waiting_for: int = 0
+    plan: ExtractPlan | None = field(default=None, repr=False)  # the plan executed (its mix, layers, estimate)
+
+    def table(self):
+        """Per dataset (from the merged index): samples, tokens, trained tokens and bytes stored."""
+        import pandas as pd
+
+        if self.index is None or not len(self.index):
+            return pd.DataFrame(columns=["samples", "tokens", "loss_tokens", "bytes"])
+        bpt = bytes_per_token(self.stats["hidden_size"], self.stats["dtype"], len(self.stats["states"]),
+                              self.stats["layout"])
+        g = self.index.groupby("dataset").agg(samples=("sample_id", "size"), tokens=("length", "sum"),
+                                              loss_tokens=("loss_tokens", "sum"))
+        g["bytes"] = g["tokens"] * bpt
+        return g
+
+    def stats_table(self):
+        """This worker's throughput, padding and resume counts."""
+        import pandas as pd
+
+        return pd.DataFrame({"value": pd.Series(self.stats, dtype=object)})
+
+    def too_long_table(self):
+        """Sequences skipped because they exceed the model's context (never truncated)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.too_long, columns=["dataset", "sample_id", "tokens", "max_context"])
+
+    def figures(self) -> dict[str, Any]:
+        """Key numbers for the notebook's `figures` cell."""
+        v = self.validation
+        return {
+            "samples": int(len(self.index)) if self.index is not None else None,
+            "tokens": int(self.index["length"].sum()) if self.index is not None else None,
+            "too_long": len(self.too_long),
+            "pad_fraction": self.stats.get("pad_fraction"),
+            "tokens_per_s": self.stats.get("tokens_per_s"),
+            "estimated_bytes": self.estimate.bytes if self.estimate else None,
+            "validation_problems": None if v is None else len(v.problems),
+            "merged": self.merged,
+        }
+
+
+def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, plan: ExtractPlan | None = None,
+                max_new_shards: int | None = None) -> ExtractResult:
+    """Stage 04 for this worker: execute one plan (refuse if the disk is short), extract, merge, validate.
+
+    `plan`: what `plan_extract(params)` made (the notebook shows it first); without one, this
+    makes it: `run_extract(params)` is `run_extract(params, plan=plan_extract(params, model=model))`.
+    Exactly the plan's mix and work are extracted, with its layers and its model; the mix is
+    not rebuilt or rewritten, the index is merged and validated against it. A plan runs once.
+    `max_new_shards` stops after writing that many shards (to bound a session; resume later).
+    """
+    from eagle3data.core.provenance import write_provenance
+
+    plan = plan_extract(params, model=model) if plan is None else plan
+    wrong = ("has run already: make a new one to resume" if plan.executed
+             else "was made for other params" if plan.params != params
+             else "holds another model than the one given" if model is not None and plan.model not in (None, model)
+             else f"is for rank {plan.rank} of {plan.world_size}, this worker is rank {dist_env()[0]} of "
+                  f"{dist_env()[1]}" if (plan.rank, plan.world_size) != dist_env() else None)
+    if wrong:
+        raise HiddenError(f"the extraction plan {wrong} (plan_extract makes the plan run_extract executes)")
+    plan.executed = True
+    hp = params.hidden
+    hdir = hidden_dir(params)
+    rank, world = plan.rank, plan.world_size
+    config, mix, layers, work, est = plan.config, plan.mix, plan.layers, plan.work, plan.estimate
+    if rank == 0:
+        write_provenance(params.run_dir, STAGE, params)
+    check_disk(est, hdir)
+    # what a crash left: this worker's partial files (every worker's when alone); the plan never counted them as done
+    discarded = scan_shards(hdir, discard_for_rank=rank, discard_all=world == 1).discarded
+
+    stats: dict[str, Any] = {
+        "rank": rank, "world_size": world, "samples_in_part": len(work.part),
+        "already_stored": len(work.part) - len(work.todo),
+        "to_extract": len(work.todo), "too_long": len(work.too_long),
+        "partial_shards_discarded": len(discarded), "hidden_size": int(text_config(config).hidden_size),
+        "dtype": hp.dtype, "layers_hf_indices": list(layers.hf_indices),
+        "layers_outputs": list(layers.layer_outputs), "num_layers": layers.num_layers,
+        "states": list(state_names(hp.final_state)), "layout": hp.layout,
+        "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
+        "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
+    }
+    if work.todo:
+        if plan.model is None:  # a plan made without loading it
+            plan.model = model if model is not None else load_extract_model(params)
+        model = plan.model
+        info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
+                "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
+                "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
+                "final_state": hp.final_state, "layout": hp.layout, "mix_fingerprint": mix.manifest.get("fingerprint")}
+        with Capture(model, layers, _torch_dtype(hp.dtype), hp.final_state) as cap:
+            seqs = [s.input_ids for _, s in work.todo]
+            batches = plan_batches([len(x) for x in seqs], hp.batch_tokens)
+            if not est.probe_seconds:  # timed once: by the plan when it had the model, else here
+                est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, hp.probe_batches)
+            writer = (ShardWriter(hdir, rank, hp.shard_bytes, info) if hp.layout == "shards"
+                      else SampleFileWriter(hdir, rank, hp.layout, info))
+            pad_id = int(getattr(text_config(config), "pad_token_id", None) or 0)
+            total_tokens = sum(len(x) for x in seqs)
+            line = _ExtractLine(rank, len(seqs), total_tokens, Progress(progress, run_dir=params.run_dir,
+                                                                         stage=STAGE))
+            t0 = time.perf_counter()
+            try:
+                for b in batches:
+                    ids, mask = pad_batch([seqs[i] for i in b], pad_id)
+                    states = cap.run(ids, mask).cpu()
+                    stats["batches"] += 1
+                    stats["padded_tokens"] += ids.numel()
+                    stats["computed_tokens"] += sum(len(seqs[i]) for i in b)
+                    for r, i in enumerate(b):
+                        pos, s = work.todo[i]
+                        writer.add(s, pos, states[r, : len(s.input_ids)].clone())
+                        stats["extracted"] += 1
+                        stats["tokens"] += len(s.input_ids)
+                        if max_new_shards is not None and len(writer.written) >= max_new_shards:
+                            stats["stopped_early"] = True
+                            break
+                    del states
+                    line.update(stats, time.perf_counter() - t0)
+                    if not stats["stopped_early"] and (params.run_dir / "STOP").exists():
+                        writer.flush()  # graceful stop (Ctrl-C on `eagle3data run`, `eagle3data stop`): the shard in progress is written
+                        stats["stopped_early"] = True
+                        stats["stop_reason"] = "STOP file"
+                    if stats["stopped_early"]:
+                        break
+                if not stats["stopped_early"]:
+                    writer.flush()
+            finally:
+                line.update(stats, time.perf_counter() - t0, final=True)
+            _sync()
+            stats["seconds"] = round(time.perf_counter() - t0, 3)
+            stats["shards_written"] = len(writer.written)
+            # samples still queued when stopping early are not stored: count what is on disk
+            stats["extracted"] -= len(writer.entries)
+            stats["tokens"] -= writer.tokens
+    if stats["padded_tokens"]:
+        stats["pad_fraction"] = round(1 - stats["computed_tokens"] / stats["padded_tokens"], 4)
+    if stats["seconds"]:
+        stats["tokens_per_s"] = round(stats["computed_tokens"] / stats["seconds"], 1)
+
+    result = ExtractResult(hdir, rank, world, mix.manifest, est, stats, work.too_long, merged=False, plan=plan)
+    if stats["stopped_early"]:
+        return result
+    try:
+        index = merge_index(params, mix=mix, config=config)
+    except IncompleteError as e:
+        result.waiting_for = e.missing
+        return result
+    result.merged = True
+    result.index = index
+    if hp.validate_after:
+        result.validation = validate_store(params, mix=mix)
+    return result
+
+
+# ---------------------------------------------------------------------------- merge and index
+
+
+class IncompleteError(HiddenError):
+    """Some samples of the mix are not stored yet (other workers still running, or a stopped run)."""
+
+    def __init__(self, msg: str, missing: int):
+        super().__init__(msg)
+        self.missing = missing
+
+
+def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None,
+                allow_partial: bool = False) -> Any:
+    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards.
+
+    Each mix sample appears once (a sample found in two shards, e.g. after the world size
+    changed mid-run, is indexed from the first shard by name and counted as a duplicate);
+    shard samples no longer in the mix are left out and counted as stale. Raises
+    IncompleteError while samples are missing, unless `allow_partial`.
+    """
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hdir = hidden_dir(params)
+    mix = mix or read_mix(hdir)
+    config = config if config is not None else load_config(params)
+    layers = layer_plan(params, config)
+    want = {s.key: (i, s) for i, s in enumerate(mix.samples)}
+    too_long = [d for d in mix.dropped if d["reason"] == "too_long"]  # reported here too; never in the mix
+    scan = scan_shards(hdir)
+    states = state_names(params.hidden.final_state)
+    scan.check_kind(params.hidden.layout, states, hdir)
+    rows: dict[str, dict[str, Any]] = {}
+    duplicates = stale = 0
+    for shard, entries in sorted(scan.shards.items()):
+        for e in entries:
+            k = SampleKey.of(e)
+            if k not in want:
+                stale += 1
+                continue
+            if k in rows:
+                duplicates += 1
+                continue
+            rows[k] = {**e, "key": str(k), "turn": k.turn, "position": want[k][0], "shard": shard}
+    missing = [str(k) for k in want if k not in rows]
+    if missing and not allow_partial:
+        raise IncompleteError(f"{len(missing)} of {len(want)} mix samples are not stored yet "
+                              f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
+    cols = ["key", "dataset", "sample_id", "turn", "source", "ids_exact", "position", "shard", "offset", "length",
+            "loss_tokens"]
+    df = pd.DataFrame(sorted(rows.values(), key=lambda r: r["position"]), columns=cols)
+    df = df.astype({"turn": "Int32", "position": "int64", "offset": "int64", "length": "int64",
+                    "loss_tokens": "int64"})
+    tag = tmp_tag()
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(hdir / INDEX_FILE) + tag)
+    os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)
+    hsize = int(text_config(config).hidden_size)
+    info = {
+        "model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
+        "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
+        "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
+        "hidden_size": hsize, "dtype": params.hidden.dtype,
+        "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
+        "bytes_per_token": bytes_per_token(hsize, params.hidden.dtype, len(states), params.hidden.layout),
+        "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
+        "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
+        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint"),
+    }
+    (hdir / (INFO_FILE + tag)).write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+    os.replace(hdir / (INFO_FILE + tag), hdir / INFO_FILE)
+    return df
+
+
+# ---------------------------------------------------------------------------- CLI (torchrun)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`[torchrun --nproc-per-node N] python -m eagle3data.hidden.extract PARAMS [-p KEY VALUE]... [--merge-only]`."""
+    import argparse
+
+    from eagle3data.core.params import ParamsError, load_params
+
+    ap = argparse.ArgumentParser(prog="python -m eagle3data.hidden.extract", description=main.__doc__)
+    ap.add_argument("params")
+    ap.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
+    ap.add_argument("--merge-only", action="store_true", help="only merge the index and validate")
+    args = ap.parse_args(argv)
+    try:
+        params = load_params(args.params, dict(args.p or []))
+    except ParamsError as e:
+        print(e)
+        return 2
+    if args.merge_only:
+        df = merge_index(params)
+        v = validate_store(params)
+        print(f"index: {len(df)} samples, {int(df['length'].sum())} tokens; validation problems: {len(v.problems)}")
+        return 0 if v.ok else 1
+    res = run_extract(params, progress=dist_env()[0] == 0)
+    print(orjson.dumps({"rank": res.rank, **res.stats}).decode())
+    if res.merged:
+        print(f"index merged: {len(res.index)} samples; validation problems: "
+              f"{'skipped' if res.validation is None else len(res.validation.problems)}")
+        return 0 if res.validation is None or res.validation.ok else 1
+    print(f"rank {res.rank}: done; {res.waiting_for} samples of other workers not stored yet "
+          "(the last worker to finish merges the index)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
