@@ -207,7 +207,7 @@ def steady_state(journal: Path, latency: float, in_flight: int, t_call: float) -
 
 
 def run_ours(client: str, base_url: str, prompts: Path, out: Path, n: int, in_flight: int, latency: float) -> dict:
-    from eagle3data.backends import engine
+    from eagle3data.generate.backends import engine
     from eagle3data.generate.run import run_generate
     from eagle3data.core.models import tokenizer_for
     from eagle3data.core.params import load_params

@@ -32,7 +32,7 @@ GOAL = 0.8
 def synthetic_turns(n: int, seed: int = 0):
     from eagle3data.prompts.load import builtin_datasets, load_prompts
     from eagle3data.rebuild.run import tool_call
-    from eagle3data.rebuild.text import ApiTurn
+    from eagle3data.rebuild.assemble import ApiTurn
 
     words = " ".join(m["content"] for name in builtin_datasets() for p in load_prompts(f"builtin:{name}").prompts
                      for m in p.messages).split(" ")
@@ -60,7 +60,8 @@ def timed(fn):
 
 def bench_vocab(name: str, tok, profile, turns, reencode: bool = True) -> dict:
     """Baseline and rebuild+verify timed in alternating rounds on the same texts; best of ROUNDS each."""
-    from eagle3data.rebuild.text import BYTE_TABLE_MIN_RECORDS, _byte_table, _join, assemble, rebuild_batch
+    from eagle3data.rebuild.assemble import assemble
+    from eagle3data.rebuild.text import BYTE_TABLE_MIN_RECORDS, _byte_table, _join, rebuild_batch
 
     bt = tok.backend_tokenizer  # both sides use this `tokenizers.Tokenizer`
     texts = [_join(assemble(t, profile)[0])[0] for t in turns]  # the texts rebuild_batch encodes

@@ -27,7 +27,7 @@
 # %%
 from eagle3data.core.params import load_params, params_for_display
 from eagle3data.rebuild.run import run_reconstruct
-from eagle3data.rebuild.text import FLAGS, PROOF_MEANING
+from eagle3data.rebuild.proof import FLAGS, PROOF_MEANING
 
 # %% tags=["parameters"]
 params_file = "params/embedded.yaml"

@@ -13,7 +13,8 @@ import pytest
 
 from eagle3data.audit.run import audit_table
 from eagle3data.audit.checks import FAIL, NA, NOT_RUN, PASS
-from eagle3data.audit.idtable import load_run, read_journal
+from eagle3data.audit.idtable import read_journal
+from eagle3data.audit.runtable import load_run
 from eagle3data.core.stats import upper95
 from eagle3data.cli import main as cli_main
 from eagle3data.core.profiles import KIMI_K25, SMOLLM2

@@ -10,7 +10,9 @@ non-zero exit; `--debug` shows the traceback.
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,7 +217,7 @@ def test_bad_prompt_file_is_one_line_before_any_notebook(tmp_path, case, content
 
 def test_ready_problems_lists_every_bad_prompt_file(tmp_path):
     """One problem per bad dataset (joined into the one error line), none for a good file or without 01."""
-    from eagle3data.cli import ready_problems
+    from eagle3data.preflight import ready_problems
     from eagle3data.core.params import load_params
 
     good = _prompts(tmp_path / "good.jsonl", 2)
@@ -233,6 +235,7 @@ def test_rejected_prompt_lines_reach_the_terminal_after_01(tmp_path, monkeypatch
     """After 01 under `run`, each dataset's rejected-prompt count and its first 3 lines go to stdout."""
     from eagle3data import cli
     from eagle3data.generate.run import run_generate
+    from eagle3data.headless import rejected_prompt_report
     from eagle3data.core.params import load_params
 
     good = [orjson.dumps({"sample_id": i, "messages": [{"role": "user", "content": f"Q {i}?"}]}) for i in range(4)]
@@ -262,7 +265,7 @@ def test_rejected_prompt_lines_reach_the_terminal_after_01(tmp_path, monkeypatch
     i = next(k for k, x in enumerate(lines) if "d0: 4 prompt line(s) rejected" in x)
     assert lines[i + 1:i + 4] == [f"    {x}" for x in rej[:3]]  # the first three, as the ledger has them
     assert "1 more" in lines[i + 4] and "ledger.json" in lines[i + 4]
-    assert cli.rejected_prompt_report(tmp_path / "nowhere") == []  # no ledger: nothing to say
+    assert rejected_prompt_report(tmp_path / "nowhere") == []  # no ledger: nothing to say
 
 
 def test_kernel_process_stderr_goes_to_the_stage_log(tmp_path, capfd):
@@ -270,7 +273,7 @@ def test_kernel_process_stderr_goes_to_the_stage_log(tmp_path, capfd):
     what a dying zmq thread prints after a stop) goes to the stage's log beside its notebook, never to the
     terminal of `eagle3data run`; the terminal's stderr is back afterwards; a failure names the log only when
     it holds more than the kernel's start-up warning."""
-    from eagle3data.cli import KERNEL_NOISE, _kernel_stderr_to, _log_has_news
+    from eagle3data.headless import KERNEL_NOISE, _kernel_stderr_to, _log_has_news
 
     log = tmp_path / "01_generate.stderr.log"
     with _kernel_stderr_to(log):
@@ -285,3 +288,59 @@ def test_kernel_process_stderr_goes_to_the_stage_log(tmp_path, capfd):
     assert "Traceback" not in err and KERNEL_NOISE[0] not in err and err.strip() == "after"
     text = log.read_text()
     assert KERNEL_NOISE[0] in text and "Exception in thread Heartbeat" in text and _log_has_news(log)
+
+
+def _extract_env() -> dict:
+    """One worker: no RANK/WORLD_SIZE from a surrounding torchrun."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def test_extract_runs_04_headless_and_merges_the_index(ci_run, tmp_path):
+    """`python -m eagle3data extract PARAMS` on a copy of the ci run: 04 without papermill, exit 0, the index
+    merged and valid; `--merge-only` merges it again from the shards."""
+    from eagle3data.core.params import load_params
+    from eagle3data.hidden.mix import hidden_dir
+    from eagle3data.hidden.store import INDEX_FILE
+
+    shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
+    over = ["-p", "output_root", str(tmp_path), "-p", "hidden.probe_batches", "0"]
+    res = subprocess.run([sys.executable, "-m", "eagle3data", "extract", "params/ci.yaml", *over], cwd=REPO,
+                         env=_extract_env(), capture_output=True, text=True)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = res.stdout.strip().splitlines()
+    stats = orjson.loads(next(x for x in lines if x.startswith('{"rank"')))
+    assert stats["rank"] == 0 and stats["extracted"] > 0
+    assert lines[-1].startswith("index merged: ") and lines[-1].endswith("validation problems: 0"), lines
+    params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path)})
+    assert (hidden_dir(params) / INDEX_FILE).exists()
+    res = subprocess.run([sys.executable, "-m", "eagle3data", "extract", "params/ci.yaml", *over, "--merge-only"],
+                         cwd=REPO, env=_extract_env(), capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.startswith(f"index: {stats['extracted']} samples"), (res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize("case, args", [
+    ("merge-only without 04", ["--merge-only"]),
+    ("bad param", ["-p", "run_name.x", "1"]),
+])
+def test_extract_user_errors_are_one_line(ci_run, tmp_path, case, args):
+    """`extract --merge-only` on a run that 04 never ran on, or a bad param: one line on stderr, exit 2."""
+    shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
+    res = subprocess.run([sys.executable, "-m", "eagle3data", "extract", "params/ci.yaml", "-p", "output_root",
+                          str(tmp_path), *args], cwd=REPO, env=_extract_env(), capture_output=True, text=True)
+    assert res.returncode == 2, (case, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.stderr, (case, res.stderr)
+
+
+def test_help_lists_every_subcommand():
+    """`python -m eagle3data --help` is the one command line: every subcommand, `extract` included."""
+    from eagle3data.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = set(sub.choices)
+    assert {"run", "status", "stop", "generate", "extract", "audit", "export", "prompts", "prepare-model"} <= names
+    res = _run("--help")
+    assert res.returncode == 0
+    for name in names:
+        assert f"    {name} " in res.stdout, (name, res.stdout)

@@ -112,7 +112,7 @@ def test_params_validation_names_a_missing_file_and_a_parquet_file_named_jsonl(t
 def test_zero_usable_prompts_or_too_many_rejected_stop_the_run_and_print_the_reasons(tmp_path, capsys):
     import pytest
 
-    from eagle3data.generate.run import _check_prompt_sets
+    from eagle3data.generate.plan import _check_prompt_sets
     from eagle3data.prompts.load import PromptDataError, load_datasets
 
     bad = tmp_path / "bad.jsonl"

@@ -20,7 +20,9 @@ from eagle3data.core.params import ReconstructParams, load_params
 from eagle3data.core.profiles import QWEN3, SMOLLM2
 from eagle3data.rebuild.provider_tokens import span_ids
 from eagle3data.rebuild.run import calibrate, measure_drift, reconstruct_records
-from eagle3data.rebuild.text import PROOF_LEVELS, ApiTurn, prompt_reasoning_state, rebuild_batch
+from eagle3data.rebuild.assemble import ApiTurn, prompt_reasoning_state
+from eagle3data.rebuild.proof import PROOF_LEVELS
+from eagle3data.rebuild.text import rebuild_batch
 from runfiles import logprob_entries, synthetic_api_record
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -365,7 +367,7 @@ def test_calibration_learns_a_plus_one_end_of_turn_offset_and_flags_a_record_off
 
 
 def test_calibration_refuses_a_scattered_or_large_offset(qwen):
-    from eagle3data.rebuild.text import Rebuilt
+    from eagle3data.rebuild.proof import Rebuilt
 
     def rb(d):
         return Rebuilt([1], "x", [], True, None, True, 10, d)
@@ -463,7 +465,7 @@ def test_mix_takes_a_minimum_proof_level(tmp_path):
 
 
 def test_audit_meta_shows_the_proof_level(tmp_path):
-    from eagle3data.audit.idtable import load_run
+    from eagle3data.audit.runtable import load_run
 
     p = _run_with_levels(tmp_path)
     t = load_run(p.run_dir)
@@ -472,7 +474,7 @@ def test_audit_meta_shows_the_proof_level(tmp_path):
 
 
 def test_reasoning_counts_zero_or_scattered_are_not_used(qwen):
-    from eagle3data.rebuild.text import Rebuilt
+    from eagle3data.rebuild.proof import Rebuilt
 
     turn = ApiTurn("\nSome reasoning here.\n", "Done.", prompt_ids=[1])
     n = billed(qwen, QWEN3, turn)

@@ -15,7 +15,8 @@ import pytest
 from eagle3data.core.profiles import QWEN3, SMOLLM2
 from eagle3data.core.stats import wilson_interval
 from eagle3data.rebuild.run import measure_drift, tool_call
-from eagle3data.rebuild.text import ApiTurn, rebuild_batch
+from eagle3data.rebuild.assemble import ApiTurn
+from eagle3data.rebuild.text import rebuild_batch
 
 # SmolLM2 has no think or tool-call tokens: SMOL_REASONING borrows its unused added tokens so
 # the reasoning, guard and Kimi-style tool-call paths run on that vocabulary too.
@@ -216,7 +217,8 @@ def _mixed_turns(prof):
 
 
 def test_seam_fast_path_agrees_with_the_full_offset_scan(vocab):
-    from eagle3data.rebuild.text import _assemble, _join, _seam_by_offsets, _seam_diff_by_offsets, _special_texts
+    from eagle3data.rebuild.assemble import _special_texts, assemble_segments as _assemble
+    from eagle3data.rebuild.text import _join, _seam_by_offsets, _seam_diff_by_offsets
 
     tok, prof = vocab
     bad = _overlapping(tok, "zq" + prof.end_of_turn.text[:4])
@@ -348,7 +350,7 @@ def test_no_byte_table_without_a_byte_level_decoder(smollm2_tokenizer, monkeypat
 
 
 def test_assemble_with_the_tokenizer_flags_any_added_token_text(vocab):
-    from eagle3data.rebuild.text import assemble
+    from eagle3data.rebuild.assemble import assemble
 
     tok, prof = vocab
     turn = ApiTurn("r", "before <|im_start|> after", billed_tokens=None)
@@ -389,7 +391,7 @@ def test_drift_is_reported_per_proof_level(vocab):
 def test_run_writes_levels_calibration_and_tables(tmp_path, qwen):
     from eagle3data.core.params import load_params
     from eagle3data.rebuild.run import run_reconstruct
-    from eagle3data.rebuild.text import PROOF_LEVELS, FLAGS
+    from eagle3data.rebuild.proof import PROOF_LEVELS, FLAGS
     from runfiles import synthetic_api_record
     from eagle3data.core.records import Journal
 

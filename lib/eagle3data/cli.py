@@ -1,37 +1,38 @@
-"""Command line: `python -m eagle3data run|status|stop|audit|export|prepare-model`.
+"""Command line: `python -m eagle3data run|status|stop|generate|extract|audit|export|prompts|prepare-model`.
 
-`run` executes the stage notebooks headlessly with papermill into `outputs/<run>/notebooks/`
-(each also saved as HTML), then renders `outputs/<run>/report.html`. It is what `make run`
-calls; a notebook opened in JupyterLab runs the same code. While a stage runs, its live
-progress line (from `outputs/<run>/progress.json`) is shown: refreshed in place on a
-terminal, one line every `--progress-every` seconds otherwise.
+`run` executes the stage notebooks headlessly with papermill (`headless.py`: the executed
+notebooks and their HTML under `outputs/<run>/notebooks/`, the live progress line, a graceful
+stop on Ctrl-C/SIGTERM with exit 3 and the command that resumes), then renders
+`outputs/<run>/report.html`; it is what `make run` calls. `status RUN` says whether a run is
+alive and shows its ledger; `stop RUN` is the graceful stop from another terminal.
+`generate` and `extract` run stages 01 and 04 without papermill; `extract` is also what each
+worker runs under `torchrun --nproc-per-node N -m eagle3data extract PARAMS`.
 
-Ctrl-C or SIGTERM on `run` stops like headless generate: the first writes the run folder's
-`STOP` file (01 stops dispatching and lets the requests in flight finish and be journaled;
-04 finishes the shard in progress), the stage ends cleanly and its notebook is saved, no
-later stage starts, and it exits 3 with the command that resumes. A second signal cancels
-the work in flight. `status RUN` says whether a run is alive and shows its ledger; `stop RUN`
-is the graceful stop from another terminal.
-
-User errors (params, missing model folder or key, a failing stage) are one line on stderr and
-a non-zero exit; `--debug` shows the traceback.
+User errors (params, a missing model folder or key, a failing stage): every one derives from
+`core.errors.UserInputError` and is mapped to one line on stderr and its exit status (2; a failed
+stage 1) in one place, `main`; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import shutil
 import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, TextIO
 
+import orjson
+
+from eagle3data.audit.report import render_report
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.params import load_params
+from eagle3data.generate.ledger import ledger_frame, read_ledger
+from eagle3data.headless import (RUN_LOCK, STOP_FILE, RunControl, StageWatch, _cell_error, _find_run_dir,
+                                 _log_has_news, _report_stop, _run_state, _shown_path, _stage_outcome,
+                                 execute_notebook, rejected_prompt_report)
+from eagle3data.preflight import ready_problems
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,272 +49,23 @@ def resolve_stage(name: str) -> str:
         return name
     if name in STAGE_ALIASES:
         return STAGE_ALIASES[name]
-    raise SystemExit(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    raise UserError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
-# Lines the kernel process prints on every start that say nothing about the run.
-KERNEL_NOISE = ("Kernel is running over TCP without encryption",)
+class UserError(UserInputError):
+    """A problem the user can fix, said in one line (no traceback without --debug); exit status 2."""
+
+    status = 2
 
 
-@contextmanager
-def _kernel_stderr_to(log: Path) -> Iterator[None]:
-    """Send the stderr of the kernel process (and papermill's own) to `log` while a stage runs.
+class StageFailed(UserError):
+    """A stage notebook raised; the line gives the cell's error and the executed notebook. Exit status 1."""
 
-    What a stage says (its progress, warnings, a failing cell's error) reaches the user through the
-    notebook, the progress line and the one-line error; the kernel's own stderr holds its start-up
-    warning and, at shutdown after a stop, the tracebacks of its dying zmq threads. Kept in the stage's
-    log beside its notebook, they never break the one-line promise; a failure names the log."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(log, "ab") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def _log_has_news(log: Path) -> bool:
-    """The stage log holds a line other than the kernel's start-up warning."""
-    try:
-        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return False
-    return any(line.strip() and not any(n in line for n in KERNEL_NOISE) for line in lines)
-
-
-# ------------------------------------------------------------------ checks before any work
-
-from eagle3data.preflight import ready_problems  # noqa: E402  (kept importable from here)
-
-
-def rejected_prompt_report(run_dir: Path, k: int = 3) -> list[str]:
-    """From 01's ledger: per dataset with rejected prompt lines, the count and the first k (for the terminal)."""
-    from eagle3data.generate.ledger import read_ledger
-
-    try:
-        led = read_ledger(run_dir) or {}
-    except Exception:  # noqa: BLE001 - a report line, never a reason to fail a finished stage
-        return []
-    out = []
-    for name, d in (led.get("datasets") or {}).items():
-        rej = list((d or {}).get("rejected_prompt_lines") or [])
-        if not rej:
-            continue
-        out.append(f"  {name}: {len(rej)} prompt line(s) rejected when read (never sent):")
-        out += [f"    {x}" for x in rej[:k]]
-        if len(rej) > k:
-            out.append(f"    ... and {len(rej) - k} more: rejected_prompt_lines in {_shown_path(run_dir / 'ledger.json')}")
-    return out
-
-
-# ------------------------------------------------------------------ stopping a run
-
-STOP_FILE = "STOP"
-RUN_LOCK = "run.lock.json"  # the `run` command's own pid, stage and command line while it lives
-
-
-class _KernelPids:
-    """The pids of the kernels papermill starts (for the second signal, which interrupts them)."""
-
-    pids: list[int] = []
-
-
-def _tracked_kernel_manager():
-    from jupyter_client.manager import AsyncKernelManager
-
-    class TrackedKernelManager(AsyncKernelManager):
-        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
-            await super()._async_launch_kernel(kernel_cmd, **kw)
-            pid = getattr(getattr(self.provisioner, "process", None), "pid", None)
-            if pid:
-                _KernelPids.pids.append(int(pid))
-
-    return TrackedKernelManager
-
-
-class RunControl:
-    """SIGINT/SIGTERM for `run`: the first writes the STOP file, a second interrupts the kernel.
-
-    The kernel runs in its own session (jupyter_client starts it so), so a terminal's Ctrl-C
-    reaches only this process; the stage sees the stop through the STOP file, which 01's
-    engines and 04's shard loop poll, and a second signal is passed on as SIGINT to the
-    kernel, where generate's handlers cancel what is in flight.
-    """
-
-    def __init__(self, run_dir: Path, say: Any):
-        self.run_dir = run_dir
-        self.say = say
-        self.reason: str | None = None
-        self.cancelled = False
-        self.started = time.time()
-        self._previous: dict[int, Any] = {}
-
-    @property
-    def stop_file(self) -> Path:
-        return self.run_dir / STOP_FILE
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self.on_signal)
-
-    def restore(self) -> None:
-        for sig, h in self._previous.items():
-            signal.signal(sig, h)
-        self._previous.clear()
-
-    def external_stop(self) -> bool:
-        """A STOP file written since the run started (`eagle3data stop`, `touch STOP`)."""
-        if self.reason is None and self.stop_file.exists():
-            try:
-                text = self.stop_file.read_text(errors="replace").strip().splitlines()
-            except OSError:
-                text = []
-            self.reason = (text[0] if text and text[0].strip() else "STOP file") + " (STOP file)"
-        return self.reason is not None
-
-    def on_signal(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.reason is None and not self.stop_file.exists():
-            self.reason = f"{name} received by eagle3data run"
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self.stop_file.write_text(f"{self.reason}\npid {os.getpid()} at {time.ctime()}\n")
-            except OSError:
-                pass
-            self.say(f"stopping ({name}): no new work is started; the work in flight finishes and is kept. "
-                     f"{name} again cancels it")
-            return
-        self.external_stop()
-        if not self.cancelled:
-            self.cancelled = True
-            self.reason = f"{self.reason}; second {name}: work in flight cancelled"
-            self.say(f"second {name}: cancelling the work in flight")
-        for pid in _KernelPids.pids:
-            try:
-                os.kill(pid, signal.SIGINT)
-            except OSError:
-                pass
-
-
-class StageWatch(threading.Thread):
-    """Shows a stage's live progress line (progress.json) while papermill runs it.
-
-    On a terminal one line is refreshed in place (stages without a progress line show their
-    elapsed time); otherwise the latest line is printed every `every_s` seconds.
-    """
-
-    def __init__(self, run_dir: Path, stage: str, out: TextIO, tty: bool, every_s: float, lock: threading.RLock):
-        super().__init__(name=f"watch-{stage}", daemon=True)
-        self.run_dir, self.stage, self.out, self.tty, self.every_s = run_dir, stage, out, tty, every_s
-        self.lock = lock
-        self.t0 = time.time()
-        self.printed = 0  # progress lines printed (non-terminal)
-        self.last_line: str | None = None
-        self.last_printed: str | None = None
-        self._stop_event = threading.Event()
-
-    def current(self) -> str | None:
-        from eagle3data.core.progress import read_progress
-
-        p = read_progress(self.run_dir)
-        if p and p.get("stage") == self.stage and float(p.get("updated_at") or 0) >= self.t0 and p.get("line"):
-            return str(p["line"])
-        return None
-
-    def run(self) -> None:
-        next_print = time.time() + self.every_s
-        while not self._stop_event.wait(0.5):
-            line = self.current()
-            if line:
-                self.last_line = line
-            with self.lock:
-                if self.tty:
-                    shown = line or f"{self.stage} ... {time.time() - self.t0:.0f} s"
-                    width = shutil.get_terminal_size((120, 20)).columns
-                    self.out.write("\r\x1b[K  " + shown[: max(20, width - 3)])
-                    self.out.flush()
-                elif line and line != self.last_printed and time.time() >= next_print:
-                    next_print = time.time() + self.every_s
-                    self.out.write(("\n" if not self.printed else "") + f"    {line}\n")
-                    self.out.flush()
-                    self.printed += 1
-                    self.last_printed = line
-
-    def finish(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)
-        line = self.current()
-        if line:
-            self.last_line = line
-        with self.lock:
-            if self.tty:
-                self.out.write("\r\x1b[K")
-            elif self.printed and self.last_line and self.last_line != self.last_printed:
-                self.out.write(f"    {self.last_line}\n")
-            self.out.flush()
-
-
-def execute_notebook(stage: str, params_file: Path, overrides: dict[str, str], out_dir: Path) -> Path:
-    """Run one stage notebook through papermill; save the executed copy and its HTML."""
-    import papermill as pm
-
-    from eagle3data.core.params import repo_root
-    from eagle3data.audit.report import notebook_to_html
-
-    src = repo_root() / "notebooks" / f"{stage}.ipynb"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dst = out_dir / f"{stage}.ipynb"
-    try:
-        with _kernel_stderr_to(out_dir / f"{stage}.stderr.log"):
-            pm.execute_notebook(
-                str(src), str(dst),
-                parameters={"params_file": str(params_file), "overrides": overrides},
-                kernel_name="python3", cwd=str(repo_root()), progress_bar=False, log_output=False,
-                kernel_manager_class=_tracked_kernel_manager(),
-            )
-    finally:
-        if dst.exists():
-            notebook_to_html(dst, dst.with_suffix(".html"))
-    return dst
-
-
-def _shown_path(p: Path) -> str:
-    """A path relative to the working directory when it is under it (as a user typed it)."""
-    try:
-        return str(p.relative_to(Path.cwd()))
-    except ValueError:
-        return str(p)
-
-
-def _resume_command(args: argparse.Namespace, stages: list[str]) -> str:
-    cmd = ["python", "-m", "eagle3data", "run", args.params]
-    for k, v in args.p or []:
-        cmd += ["-p", k, v]
-    for st in stages:
-        cmd += ["--only", st.split("_", 1)[0]]
-    return shlex.join(cmd)
-
-
-def _stage_outcome(run_dir: Path, stage: str) -> tuple[str, str]:
-    """(status, summary) of a stage that ended after a stop request."""
-    if stage == "01_generate":
-        from eagle3data.generate.ledger import read_ledger
-
-        led = read_ledger(run_dir) or {}
-        ds = (led.get("datasets") or {}).values()
-        done, planned = sum(d.get("done", 0) for d in ds), sum(d.get("planned", 0) for d in ds)
-        return str(led.get("status") or "stopped"), f"{done:,} of {planned:,} samples journaled"
-    if stage == "04_extract_hidden":
-        return "stopped", "finished shards kept"
-    return "finished", "the stage completed"
+    status = 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from eagle3data.generate.run import CLI_RUN_ENV
-    from eagle3data.core.params import load_params
+    from eagle3data.generate.run import CLI_RUN_ENV  # 01's module (its HTTP stack) only when `run` runs
 
     overrides = dict(args.p or [])
     params_file = Path(args.params).resolve()
@@ -346,8 +98,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"run {params.run_name!r} -> {_shown_path(run_dir)}")
     control.install()
     try:
-        import orjson
-
         for n, stage in enumerate(stages):
             if control.reason is not None or control.external_stop():
                 return _report_stop(args, control, stages[n:], run_dir, None)
@@ -402,93 +152,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         if control.reason is not None:
             control.stop_file.unlink(missing_ok=True)
     if "03_audit" in stages:
-        from eagle3data.audit.report import render_report
-
         report = render_report(run_dir)
         print(f"report: {_shown_path(report)}")
     print(f"outputs: {_shown_path(run_dir)}")
     return 0
 
 
-def _cell_error(e: BaseException) -> str:
-    """`ename: evalue` of a failed cell (PapermillExecutionError), first line only."""
-    ename, evalue = getattr(e, "ename", None), getattr(e, "evalue", None)
-    text = f"{ename}: {evalue}" if ename else f"{type(e).__name__}: {e}"
-    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
-
-
-def _report_stop(args: argparse.Namespace, control: RunControl, left: list[str], run_dir: Path,
-                 stage: str | None) -> int:
-    """The one line a stopped run ends with (what was kept, how to resume); exit status 3."""
-    if stage is not None:
-        status, kept = _stage_outcome(run_dir, stage)
-        what = f"{stage} {status} ({kept}; ledger and executed notebook saved)"
-    else:
-        what = "no further stage started"
-    print(f"stopped: {control.reason}; {what}. Resume: {_resume_command(args, left)}", file=sys.stderr)
-    return 3
-
-
-# ------------------------------------------------------------------ status and stop from another terminal
-
-def _find_run_dir(run: str) -> Path:
-    """A run folder from `outputs/NAME`, a folder path, a run name, or the params file of the run."""
-    from eagle3data.core.params import load_params, repo_root
-
-    p = Path(run)
-    if p.suffix in (".yaml", ".yml") and p.exists():
-        return load_params(p).run_dir
-    for cand in (p, repo_root() / "outputs" / run, repo_root() / run):
-        if cand.is_dir() and ((cand / "ledger.json").exists() or (cand / "records").is_dir()
-                              or (cand / RUN_LOCK).exists()):
-            return cand.resolve()
-    raise UserError(f"no run folder {run!r} (give outputs/<run_name>, a run folder, or the run's params file)")
-
-
-def _alive(pid: Any) -> bool:
-    try:
-        pid = int(pid)
-    except (TypeError, ValueError):
-        return False
-    try:
-        import psutil
-
-        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:  # noqa: BLE001 - psutil missing or the process went away meanwhile
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-
-
-def _run_state(run_dir: Path) -> dict[str, Any]:
-    """Who is working on the run: the `run` command's lock, the stage's progress.json, the ledger."""
-    import orjson
-
-    from eagle3data.generate.ledger import read_ledger
-    from eagle3data.core.progress import read_progress
-
-    lock = None
-    if (run_dir / RUN_LOCK).exists():
-        try:
-            lock = orjson.loads((run_dir / RUN_LOCK).read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            lock = None
-    prog = read_progress(run_dir)
-    try:
-        led = read_ledger(run_dir)
-    except (OSError, ValueError):
-        led = None
-    pids = [x.get("pid") for x in (lock, prog) if x and x.get("pid")]
-    live = [p for p in pids if _alive(p)]
-    return {"lock": lock, "progress": prog, "ledger": led, "alive_pids": live,
-            "running": bool(live) and (lock is not None or bool(prog and not prog.get("final")))}
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from eagle3data.generate.ledger import ledger_frame
-
     run_dir = _find_run_dir(args.run)
     st = _run_state(run_dir)
     now = time.time()
@@ -511,7 +181,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         age = now - float(led.get("updated_at") or now)
         extra = f", stop reason: {led['stop_reason']}" if led.get("stop_reason") else ""
         print(f"ledger: status {led.get('status')!r}, updated {age:.0f} s ago{extra}")
-        import pandas as pd
+        import pandas as pd  # heavy: only for the ledger table `status` prints
 
         with pd.option_context("display.width", 200, "display.max_columns", 30):
             print(ledger_frame(led).to_string())
@@ -534,8 +204,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
     print(f"wrote {_shown_path(stop_file)}: the run starts no new work, lets what is in flight finish "
           f"and be journaled, then exits 3 (`eagle3data status {args.run}` to watch)")
     if args.now:
-        from eagle3data.generate.ledger import read_ledger
-
         for _ in range(100):  # the stage notices the STOP file within its ledger interval
             led = read_ledger(run_dir) or {}
             if led.get("status") != "running":
@@ -548,34 +216,21 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_prompts(args: argparse.Namespace) -> int:
-    from eagle3data.prompts.load import prompts_cli
+    from eagle3data.prompts.load import prompts_cli  # the prompt readers only for this command
 
     return prompts_cli(args.path, args.format, split=args.split, subset=args.subset, show=args.show, out=args.out)
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
-    from eagle3data.core.models import prepare_embedded
+    from eagle3data.core.models import prepare_embedded  # the model converter only for this command
 
     print(prepare_embedded(args.name, force=args.force))
     return 0
 
 
-class UserError(UserInputError):
-    """A problem the user can fix, said in one line (no traceback without --debug); exit status 2."""
-
-    status = 2
-
-
-class StageFailed(UserError):
-    """A stage notebook raised; the line gives the cell's error and the executed notebook. Exit status 1."""
-
-    status = 1
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stage 01 without papermill (what notebook 01 runs): preflight, generate, the ledger table."""
     from eagle3data.generate.run import run_generate  # the stage's stack (tokenizers, HTTP clients) only for this command
-    from eagle3data.core.params import load_params
 
     params = load_params(args.params, dict(args.p or []))
     problems = ready_problems(params, ["01_generate"])
@@ -588,15 +243,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if s.status == "finished" else 3
 
 
+def cmd_extract(args: argparse.Namespace) -> int:
+    """Stage 04 without papermill, on one worker or each of `torchrun`'s: capture, then the last worker merges.
+
+    `--merge-only` merges the index from the finished shards and validates the store. Exit status 0,
+    1 when the store fails validation; every rank prints its own line, the progress line is rank 0's.
+    """
+    # the stage (torch, the model) only for this command
+    from eagle3data.hidden.extract import dist_env, merge_index, run_extract
+    from eagle3data.hidden.store import validate_store
+
+    params = load_params(args.params, dict(args.p or []))
+    problems = ready_problems(params, ["04_extract_hidden"])
+    if problems:
+        raise UserError("; ".join(problems))
+    if args.merge_only:
+        df = merge_index(params)
+        v = validate_store(params)
+        print(f"index: {len(df)} samples, {int(df['length'].sum())} tokens; validation problems: {len(v.problems)}")
+        return 0 if v.ok else 1
+    res = run_extract(params, progress=dist_env()[0] == 0)
+    print(orjson.dumps({"rank": res.rank, **res.stats}).decode())
+    if res.merged:
+        print(f"index merged: {len(res.index)} samples; validation problems: "
+              f"{'skipped' if res.validation is None else len(res.validation.problems)}")
+        return 0 if res.validation is None or res.validation.ok else 1
+    print(f"rank {res.rank}: done; {res.waiting_for} samples of other workers not stored yet "
+          "(the last worker to finish merges the index)")
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
-    from eagle3data.audit.run import audit_cli
+    from eagle3data.audit.run import audit_cli  # the stage (pandas, pyarrow) only for this command
 
     return audit_cli(args.records, profile=args.profile, out=args.out, tokenizer=args.tokenizer,
                      allow_failed=args.allow_failed)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eagle3data.export.run import export_cli
+    from eagle3data.export.run import export_cli  # the stage only for this command
 
     return export_cli(args.run, fmt=args.format, out=args.out)
 
@@ -632,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
     g.add_argument("--quiet", action="store_true", help="no progress line")
     g.set_defaults(func=cmd_generate)
+
+    x = sub.add_parser("extract", help="stage 04 headless, without papermill; one worker of `torchrun -m eagle3data "
+                                        "extract` each (the last to finish merges the index)")
+    x.add_argument("params", help="params YAML")
+    x.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
+    x.add_argument("--merge-only", action="store_true", help="only merge the index and validate the store")
+    x.set_defaults(func=cmd_extract)
 
     a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")
     a.add_argument("records", help="records JSONL (or .parquet)")

@@ -17,6 +17,7 @@ import orjson
 import pandas as pd
 
 from eagle3data.audit.idtable import IdTable
+from eagle3data.audit.runtable import meta_keys
 from eagle3data.core.profiles import Profile
 
 PASS, FAIL, NA, NOT_RUN = 0, 1, 2, 3
@@ -371,8 +372,6 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
         dup = meta["duplicate"].to_numpy(dtype=bool)
     else:
         from eagle3data.core.reader import supersede_rule
-
-        from eagle3data.audit.idtable import meta_keys
 
         keys = meta_keys(meta)
         is_record, d = supersede_rule(keys, meta["finish_reason"].tolist())

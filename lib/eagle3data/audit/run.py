@@ -22,7 +22,8 @@ import pandas as pd
 from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
                      billed_prompt_checks, iter_checks, on_policy_checks, structural_checks, suffix_check,
                      tokenizer_checks)
-from eagle3data.audit.idtable import AuditInputError, IdTable, concat_tables, load_run, merge_reconstruct, read_journal, split_superseded
+from eagle3data.audit.idtable import AuditInputError, IdTable, read_journal
+from eagle3data.audit.runtable import concat_tables, load_run, merge_reconstruct, split_superseded
 from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.stats import upper95
 

@@ -37,7 +37,9 @@ import orjson
 from eagle3data.core.profiles import Profile
 from eagle3data.core.stats import calibrated_offset, wilson_interval
 
-from eagle3data.rebuild.text import FLAGS, PROOF_LEVELS, PROOF_RANK, PROOF_MEANING, ApiTurn, Rebuilt, first_diff, rebuild_batch
+from eagle3data.rebuild.assemble import ApiTurn
+from eagle3data.rebuild.proof import FLAGS, PROOF_LEVELS, PROOF_RANK, PROOF_MEANING, Rebuilt
+from eagle3data.rebuild.text import first_diff, rebuild_batch
 from eagle3data.rebuild.provider_tokens import fast_backend
 
 

@@ -1,4 +1,4 @@
-"""The asyncio engine under the HTTP backends: bounded concurrency, retries, budgets, stop, journal.
+"""The asyncio engine under the HTTP backends: bounded concurrency, budgets, stop, journal.
 
 One `httpx.AsyncClient` (pooled keep-alive connections) sends requests built by a backend
 (`sglang.SGLangBackend`, `openai_api.OpenAIBackend`); at most `concurrency` requests are in
@@ -8,9 +8,8 @@ flight. Jobs are dispatched in the order given (run_generate shuffles them with 
   requests in flight reach `token_budget`; the rest are listed as skipped. The run stops
   dispatching when spent plus reserved cost (in flight x mean cost per response) reaches
   `cost_cap_usd`.
-- Errors: 429 waits `Retry-After` (all requests pause); 408/5xx/connection errors/timeouts
-  retry with jittered exponential backoff, then become an error record; 402 (out of
-  credits) and 401/403 stop dispatching at once; a malformed body is an error record.
+- Errors: each request is sent with its retries by `retries.RequestRetries` (429 pauses all
+  requests, 408/5xx/timeouts back off, 402/401/403/404 stop dispatching at once).
 - Stop: `request_stop` (signals, the `STOP` file, 402, cost cap) stops dispatching, waits up
   to the grace period for requests in flight, then cancels them; a second signal cancels
   at once. Cancelled samples are listed in the ledger and resent on resume.
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import random
 import signal
 import time
@@ -32,13 +30,13 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import httpx
-import orjson
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.generate.ledger import DatasetLedger, write_ledger
 from eagle3data.core.progress import Progress, generate_figures, generate_line
 from eagle3data.core.reader import SampleKey
 from eagle3data.core.records import Journal
+from eagle3data.generate.backends.retries import RequestRetries, StopDispatch
 from eagle3data.generate.backends.transport import LeanTransport
 
 
@@ -57,10 +55,6 @@ responses, TLS handshakes and the bytes of requests already sent are not held be
 
 class GenerateError(UserInputError, RuntimeError):
     """The run cannot start or must stop (server mismatch, no credit, bad key): the message says why."""
-
-
-class ResponseError(ValueError):
-    """A response body is malformed or truncated: the sample becomes an error record."""
 
 
 @dataclass
@@ -138,10 +132,6 @@ def stop_file_reason(path: Path) -> str:
     return f"{text[0][:200]} (STOP file)" if text and text[0].strip() else f"STOP file {path}"
 
 
-class _StopDispatch(Exception):
-    """Raised by a request whose answer means no further request may be sent (402, 401, 403)."""
-
-
 @dataclass
 class EngineSettings:
     """The knobs of one engine run (taken from GenerateParams by run_generate)."""
@@ -176,36 +166,7 @@ class EngineResult:
     cpu_s: float = 0.0
 
 
-def retry_after_seconds(value: str | None, default: float) -> float:
-    """Seconds to wait from a Retry-After header (delta seconds or HTTP date)."""
-    if not value:
-        return default
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-        return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError):
-        return default
-
-
-def error_message(body: bytes, limit: int = 300) -> str:
-    """The `error.message` of an error body, or the start of the body as text."""
-    try:
-        obj = orjson.loads(body)
-        err = obj.get("error") if isinstance(obj, dict) else None
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:limit]
-        if isinstance(err, str):
-            return err[:limit]
-    except (orjson.JSONDecodeError, AttributeError):
-        pass
-    return body[:limit].decode("utf-8", "replace")
-
-
-class Engine:
+class Engine(RequestRetries):
     """Runs jobs through one backend; journals records and keeps the ledger while it runs."""
 
     def __init__(self, backend: Backend, jobs: Sequence[Job], *, base_url: str, settings: EngineSettings,
@@ -315,69 +276,6 @@ class Engine:
             self._next_turns.append(nxt)
 
     # -- requests ------------------------------------------------------------------------
-    async def _wait_pause(self) -> None:
-        while True:
-            delay = self.pause_until - time.monotonic()
-            if delay <= 0:
-                return
-            await asyncio.sleep(delay)
-
-    def _backoff(self, attempt: int) -> float:
-        base = min(self.s.retry_backoff_max_s, self.s.retry_backoff_s * 2 ** (attempt - 1))
-        return base * self.rng.uniform(0.5, 1.5)
-
-    async def _send(self, jobs: list[Job]) -> list[dict[str, Any]]:
-        """Send one request with retries; the records to journal (error records when it failed)."""
-        body = self.backend.build(jobs)
-        attempt = rate_limited = 0
-        while True:
-            await self._wait_pause()
-            t0 = time.perf_counter()
-            problem: str
-            try:
-                async with asyncio.timeout(self.s.timeout_s):
-                    status, resp_headers, data = await self._transport.send(
-                        self._url, b"POST", self._headers + [(b"content-length", b"%d" % len(body))], body)
-            except TimeoutError:
-                problem = f"timeout after {self.s.timeout_s:g} s"
-            except httpx.HTTPError as e:
-                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            else:
-                latency = time.perf_counter() - t0
-                if status == 200:
-                    try:
-                        return self.backend.parse(jobs, data, latency)
-                    except ResponseError as e:
-                        return [self.backend.error_record(j, f"malformed response: {e}") for j in jobs]
-                msg = error_message(data)
-                if status == 429:
-                    rate_limited += 1
-                    if rate_limited > self.s.max_rate_limit_retries:
-                        return [self.backend.error_record(j, f"HTTP 429 {rate_limited} times: {msg}") for j in jobs]
-                    retry_after = next((v.decode("latin-1") for k, v in resp_headers if k == b"retry-after"), None)
-                    wait = retry_after_seconds(retry_after, self._backoff(rate_limited))
-                    self.pause_until = max(self.pause_until, time.monotonic() + wait)
-                    for j in jobs:
-                        self.ledger[j.dataset].retries += 1
-                    continue
-                if status == 402:
-                    raise _StopDispatch(f"HTTP 402 from the API (out of credits): {msg}")
-                if status in (401, 403):
-                    raise _StopDispatch(f"HTTP {status} from the API (key refused): {msg}")
-                if status == 404:  # every later request would get the same answer
-                    raise _StopDispatch(f"HTTP 404 from the API (no such endpoint or model, or provider routing "
-                                        f"leaves none: check base_url, model and provider params): {msg}")
-                if status == 408 or status >= 500:
-                    problem = f"HTTP {status}: {msg}"
-                else:
-                    return [self.backend.error_record(j, f"HTTP {status}: {msg}") for j in jobs]
-            attempt += 1
-            if attempt > self.s.max_retries:
-                return [self.backend.error_record(j, f"{problem} (after {attempt} attempts)") for j in jobs]
-            for j in jobs:
-                self.ledger[j.dataset].retries += 1
-            await asyncio.sleep(self._backoff(attempt))
-
     async def _run_jobs(self, shard: int, jobs: list[Job]) -> None:
         try:
             records = await self._send(jobs)
@@ -388,7 +286,7 @@ class Engine:
             for j in jobs:
                 self.ledger[j.dataset].cancel(j.sample_id)
             raise
-        except _StopDispatch as e:
+        except StopDispatch as e:
             self.request_stop(str(e), grace=False)
             for j in jobs:
                 self.ledger[j.dataset].skip(j.sample_id)

@@ -22,7 +22,8 @@ import httpx
 import orjson
 
 from eagle3data.core.profiles import Profile
-from eagle3data.generate.backends.engine import GenerateError, Job, ResponseError, error_message, record_dict
+from eagle3data.generate.backends.engine import GenerateError, Job, record_dict
+from eagle3data.generate.backends.retries import ResponseError, error_message
 from eagle3data.generate.turns import api_messages
 
 FINISH = {"stop": "stop", "tool_calls": "stop", "function_call": "stop", "end_turn": "stop", "length": "length",

@@ -16,7 +16,8 @@ import httpx
 import orjson
 
 from eagle3data.core.profiles import Profile
-from eagle3data.generate.backends.engine import GenerateError, Job, ResponseError, record_dict
+from eagle3data.generate.backends.engine import GenerateError, Job, record_dict
+from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.core.spans import output_texts
 
 

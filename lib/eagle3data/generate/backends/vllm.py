@@ -24,7 +24,8 @@ import orjson
 
 from eagle3data.core.profiles import Profile
 from eagle3data.core.spans import output_texts
-from eagle3data.generate.backends.engine import GenerateError, Job, ResponseError, record_dict
+from eagle3data.generate.backends.engine import GenerateError, Job, record_dict
+from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.sglang import _norm, engine_sampling, model_names
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
