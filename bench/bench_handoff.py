@@ -34,7 +34,8 @@ def main(params_file: str = "params/ci.yaml") -> dict:
 
     from eagle3data.export import handoff as HO
     from eagle3data.generate.run import run_generate
-    from eagle3data.hidden.extract import read_mix, run_extract
+    from eagle3data.hidden.extract import run_extract
+    from eagle3data.hidden.mix import read_mix
     from eagle3data.core.models import model_for
     from eagle3data.core.params import load_params
 

@@ -23,7 +23,8 @@ from eagle3data.generate.backends.local import LocalBackend, cut_at_stop
 from eagle3data.core.models import load_model, load_tokenizer
 from eagle3data.core.params import SamplingParams, repo_root
 from eagle3data.core.profiles import SMOLLM2
-from eagle3data.prompts.load import builtin_datasets, load_prompts, template_prompt
+from eagle3data.prompts.load import load_prompts, template_prompt
+from eagle3data.prompts.files import builtin_datasets
 
 MAX_NEW = int(os.environ.get("BENCH_MAX_NEW_TOKENS", "96"))
 BATCH = 8

@@ -30,7 +30,8 @@ GOAL = 0.8
 
 
 def synthetic_turns(n: int, seed: int = 0):
-    from eagle3data.prompts.load import builtin_datasets, load_prompts
+    from eagle3data.prompts.load import load_prompts
+    from eagle3data.prompts.files import builtin_datasets
     from eagle3data.rebuild.run import tool_call
     from eagle3data.rebuild.assemble import ApiTurn
 

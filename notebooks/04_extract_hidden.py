@@ -28,7 +28,8 @@
 # `hidden:` section. Resumable: finished shards are kept. Several GPUs: `docs/04_extract_hidden.md`.
 
 # %%
-from eagle3data.hidden.extract import HiddenReader, plan_extract, run_extract
+from eagle3data.hidden.extract import plan_extract, run_extract
+from eagle3data.hidden.store import HiddenReader
 from eagle3data.core.params import load_params, params_for_display
 
 # %% tags=["parameters"]
@@ -45,7 +46,7 @@ params_for_display(P)["hidden"]
 # `plan_extract` builds the training mix with the model's context limit and writes it (once),
 # takes the layers from the model's config, finds what finished shards already hold, sizes what
 # is left and, with work to do, loads the model and times a probe. Section 4 executes exactly
-# this plan: `python -m eagle3data.hidden.extract` calls the same two functions, without the tables.
+# this plan: `python -m eagle3data extract` calls the same two functions, without the tables.
 
 # %%
 plan = plan_extract(P)

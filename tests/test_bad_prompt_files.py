@@ -17,7 +17,8 @@ import pytest
 
 from eagle3data.core.params import load_params
 from eagle3data.preflight import ready_problems
-from eagle3data.prompts.load import PromptDataError, check_source, load_prompts
+from eagle3data.prompts.load import check_source, load_prompts
+from eagle3data.prompts.files import PromptDataError
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = REPO / "tests" / "fixtures" / "formats"

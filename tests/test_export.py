@@ -15,17 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3data.export.run import (
-    ExportError,
-    build_draft_vocab,
-    conversation,
-    coverage_curve,
-    export_format,
-    load_draft_vocab,
-    output_token_counts,
-    params_of_run,
-    select_samples,
-)
+from eagle3data.export.run import ExportError, conversation, export_format, params_of_run, select_samples
+from eagle3data.export.vocab import build_draft_vocab, coverage_curve, load_draft_vocab, output_token_counts
 from eagle3data.export.vocab import VocabError
 from runfiles import iter_run_records
 

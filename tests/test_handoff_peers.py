@@ -35,8 +35,12 @@ import torch
 import specforge.data.preprocessing as specforge_pre
 
 from eagle3data.export import handoff as HO
-from eagle3data.hidden.extract import HiddenReader, read_mix, run_extract
+from eagle3data.hidden.extract import run_extract
+from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.mix import read_mix
 from eagle3data.core.params import load_params
+from eagle3data.trainers import specforge as SF
+from eagle3data.trainers.registry import TRAINERS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,19 +184,48 @@ def test_the_matching_layout_is_hardlinked_not_copied(stores):
 
 def test_the_estimate_states_each_hand_off_before_04_runs(ci_run, tmp_path):
     from eagle3data.hidden import extract as H
+    from eagle3data.hidden.store import bytes_per_token, id_mask_bytes
 
     shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
+    assert id_mask_bytes("shards") == 4 + 1 and {f: t.id_mask_bytes for f, t in TRAINERS.items()} == {
+        "specforge": 8 + 8, "speculators": 8 + 1}  # int64 ids and mask in SpecForge's files; a uint8 mask in speculators'
     for layout, link in (("shards", None), ("specforge", "specforge"), ("speculators", "speculators")):
         p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "hidden.layout": layout})
         est = H.estimate(p)
         extra = est.handoff()
-        assert est.bytes_per_token == 5 * 576 * 2 + H.ID_MASK_BYTES[layout]
+        assert est.bytes_per_token == 5 * 576 * 2 + id_mask_bytes(layout)
         for fmt in HO.FORMATS:
-            want = 0 if fmt == link else est.tokens * H.bytes_per_token(576, "bfloat16", 4, fmt)
+            want = 0 if fmt == link else est.tokens * bytes_per_token(576, "bfloat16", 4, fmt)
             assert extra[fmt] == want, (layout, fmt)
         assert f"05 hand-off to {link or 'specforge'} (extra GB)" in est.table().index
     p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "hidden.final_state": "pre_norm"})
     assert H.estimate(p).handoff()["specforge"] is None  # post-norm cannot be recovered exactly: says so up front
+
+
+def test_each_trainer_states_its_final_state_once_and_params_follow_it():
+    """Which final state a trainer takes is written in its module only; params, the store, the estimate and
+    the hand-off ask the registry (a new trainer is one module plus its registration)."""
+    import re
+
+    from eagle3data.core.params import ParamsError
+
+    ci = REPO / "params" / "ci.yaml"
+    assert {f: t.final_state for f, t in TRAINERS.items()} == {"specforge": "post_norm", "speculators": "pre_norm"}
+    for fmt, t in TRAINERS.items():
+        other = "pre_norm" if t.final_state == "post_norm" else "post_norm"
+        with pytest.raises(ParamsError, match=f"layout '{fmt}' needs the {t.final_state} final state"):
+            load_params(ci, {"hidden.layout": fmt, "hidden.final_state": other})
+        assert load_params(ci, {"hidden.layout": fmt, "hidden.final_state": t.final_state}).hidden.layout == fmt
+    with pytest.raises(ParamsError, match="unknown layout 'nope'; known: shards, specforge, speculators"):
+        load_params(ci, {"hidden.layout": "nope"})
+    with pytest.raises(ParamsError, match="unknown trainer 'nope'"):
+        load_params(ci, {"export.formats": ["speculators", "nope"]})
+    assert load_params(ci).export.formats == list(TRAINERS) == list(HO.FORMATS)
+    lib = REPO / "lib" / "eagle3data"
+    pairs = re.compile(r"[\"'](specforge|speculators)[\"']\s*:\s*[\"'](pre|post)_norm[\"']")
+    elsewhere = [str(f.relative_to(lib)) for f in lib.rglob("*.py")
+                 if f.parent.name != "trainers" and pairs.search(f.read_text(encoding="utf-8"))]
+    assert not elsewhere, f"a trainer's final state written outside its module: {elsewhere}"
 
 
 def test_a_mix_sample_missing_from_the_store_stops_the_hand_off(stores, tmp_path):
@@ -208,7 +241,7 @@ def test_a_mix_sample_missing_from_the_store_stops_the_hand_off(stores, tmp_path
 
 
 def test_04_records_its_final_state_and_refuses_a_store_of_another_kind(stores, ci_run, model, tmp_path, monkeypatch):
-    from eagle3data.hidden.extract import AUX_NAMES, HiddenError
+    from eagle3data.hidden.store import AUX_NAMES, HiddenError
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -366,7 +399,7 @@ def test_specforge_loads_head_and_embedding_of_each_checkpoint_layout(tmp_path, 
     view = tmp_path / "out" / "target"
     view.mkdir(parents=True)  # an earlier export's folder: replaced, or removed when not needed
     (view / "stale").write_text("x")
-    t = HO.specforge_target(mdir, view)
+    t = SF.specforge_target(mdir, view)
     assert {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in mdir.iterdir()} == before  # not written
     assert t["view"] == (layout != "sharded_tied") and view.exists() == t["view"]
     assert Path(t["target_model_path"]) == (view if t["view"] else mdir).resolve()
@@ -387,7 +420,7 @@ def test_a_checkpoint_without_head_that_does_not_tie_stops_the_specforge_config(
     cfg = json.loads((mdir / "config.json").read_text())
     (mdir / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
     with pytest.raises(HO.HandoffError, match="no lm_head.weight and config.json says tie_word_embeddings false"):
-        HO.specforge_target(mdir, tmp_path / "target")
+        SF.specforge_target(mdir, tmp_path / "target")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -405,12 +438,12 @@ def test_our_draft_config_is_the_one_specforge_generates_with_our_vocabulary_siz
     kind = LlamaConfig if family == "llama" else Qwen3Config
     kind(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(mdir)
-    (tmp_path / "draft.json").write_text(json.dumps(HO.specforge_draft_config(mdir, 48)))
+    (tmp_path / "draft.json").write_text(json.dumps(SF.specforge_draft_config(mdir, 48)))
     (tmp_path / "sf.yaml").write_text(yaml.safe_dump({"model": {"target_model_path": str(mdir)},
                                                       "data": {"hidden_states_path": str(tmp_path)}}))
     run = resolve_run(load_config(str(tmp_path / "sf.yaml")))
     generated = _generate_draft_config(run.config, run.algorithm.providers.model.draft_config)
-    assert generated.draft_vocab_size == HO.SPECFORGE_DRAFT_VOCAB  # its fixed size: why the export writes one
+    assert generated.draft_vocab_size == SF.DRAFT_VOCAB  # its fixed size: why the export writes one
     generated.draft_vocab_size = 48
     assert load_draft_config_source(str(tmp_path / "draft.json")).to_dict() == generated.to_dict()
 

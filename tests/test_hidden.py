@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3data.hidden import estimate as E
 from eagle3data.hidden import extract as H
-from eagle3data.hidden.extract import HiddenError, HiddenReader, plan_batches, run_extract
-from eagle3data.hidden.mix import read_mix, source_sequences
+from eagle3data.hidden.extract import plan_batches, run_extract
+from eagle3data.hidden.mix import hidden_dir, read_mix, source_sequences
+from eagle3data.hidden.store import HiddenError, HiddenReader, read_shard_meta, shard_dir, validate_store
 from eagle3data.core.params import load_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,10 +142,10 @@ def test_resume_after_a_crash_keeps_finished_shards_and_redoes_the_partial_one(s
     _, full = single
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = run_copy(**{"hidden.shard_bytes": 1_500_000, "run_name": "ci"})
-    shutil.rmtree(H.hidden_dir(p), ignore_errors=True)
+    shutil.rmtree(hidden_dir(p), ignore_errors=True)
     first = run_extract(p, progress=False, model=model, max_new_shards=1)
     assert first.stats["stopped_early"] and not first.merged
-    sdir = H.shard_dir(H.hidden_dir(p))
+    sdir = shard_dir(hidden_dir(p))
     [kept] = sorted(sdir.glob("*.safetensors"))
     kept_bytes, kept_ino = kept.read_bytes(), kept.stat().st_ino
     # the crash hit while writing the next shard: a partial .tmp, and a truncated "finished" one
@@ -153,12 +155,12 @@ def test_resume_after_a_crash_keeps_finished_shards_and_redoes_the_partial_one(s
     res = run_extract(p, progress=False, model=model)
     assert res.merged and res.validation.ok, res.validation.table()
     assert res.stats["partial_shards_discarded"] == 2
-    assert res.stats["already_stored"] == len(H.read_shard_meta(kept)["samples"]) >= 1
+    assert res.stats["already_stored"] == len(read_shard_meta(kept)["samples"]) >= 1
     assert kept.stat().st_ino == kept_ino and kept.read_bytes() == kept_bytes
     assert not list(sdir.glob("*.tmp"))
-    rd = HiddenReader(H.hidden_dir(p))
+    rd = HiddenReader(hidden_dir(p))
     stored = [f"{e['dataset']}/{e['sample_id']}" for s in sdir.glob("*.safetensors")
-              for e in H.read_shard_meta(s)["samples"]]
+              for e in read_shard_meta(s)["samples"]]
     assert len(stored) == len(set(stored)) == 4  # no sample stored twice
     assert set(rd.keys()) == set(HiddenReader(full.hidden_dir).keys())
 
@@ -175,11 +177,11 @@ def test_two_workers_store_the_same_samples_as_one(single, run_copy, model, monk
     r0, r1 = results
     assert not r0.merged and r0.waiting_for == 2  # rank 1's half is not there yet
     assert r1.merged and r1.validation.ok
-    sdir = H.shard_dir(H.hidden_dir(p))
+    sdir = shard_dir(hidden_dir(p))
     parts = [{f"{e['dataset']}/{e['sample_id']}" for s in sdir.glob(f"r{r:03d}-*.safetensors")
-              for e in H.read_shard_meta(s)["samples"]} for r in (0, 1)]
+              for e in read_shard_meta(s)["samples"]} for r in (0, 1)]
     assert parts[0] and parts[1] and not parts[0] & parts[1]  # disjoint, both non-empty
-    two = HiddenReader(H.hidden_dir(p))
+    two = HiddenReader(hidden_dir(p))
     assert set(two.keys()) == set(one.keys()) == parts[0] | parts[1]
     for key in one.keys():
         a, b = one.sample(key), two.sample(key)
@@ -206,17 +208,17 @@ def test_too_long_sequences_are_reported_and_skipped(run_copy, model, monkeypatc
 def test_refuses_to_start_when_the_disk_lacks_room(run_copy, model, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = run_copy()
-    monkeypatch.setattr(H, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(E, "_free_bytes", lambda path: 1000)
     with pytest.raises(HiddenError, match=r"not enough disk .* hidden.out_dir"):
         run_extract(p, progress=False, model=model)
-    assert not list(H.shard_dir(H.hidden_dir(p)).glob("*"))
+    assert not list(shard_dir(hidden_dir(p)).glob("*"))
 
 
 def test_estimate_is_tokens_times_four_states_plus_ids_and_mask(run_copy, model, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = run_copy(**{"hidden.probe_batches": 1})
     est = H.estimate(p, model=model)
-    tokens = sum(len(s.input_ids) for s in read_mix(H.hidden_dir(p)).samples)
+    tokens = sum(len(s.input_ids) for s in read_mix(hidden_dir(p)).samples)
     assert est.tokens == tokens and est.bytes == tokens * (5 * 576 * 2 + 5)
     assert est.tokens_per_s and est.seconds and est.fits
     assert "estimated size (GB)" in est.table().index
@@ -228,12 +230,12 @@ def test_validation_flags_ids_that_differ_from_the_records(single, tmp_path):
     p0, _ = single
     shutil.copytree(p0.run_dir, tmp_path / "ci")
     p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path)})
-    assert H.validate_store(p).ok
+    assert validate_store(p).ok
     path = p.run_dir / "records" / "b5_openthoughts.jsonl"
     recs = [orjson.loads(x) for x in path.read_bytes().splitlines()]
     recs[0]["output_ids"][0] += 1
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
-    v = H.validate_store(p)
+    v = validate_store(p)
     assert [(x["sample_id"], x["check"]) for x in v.problems] == [(str(recs[0]["sample_id"]), "ids")]
 
 

@@ -71,7 +71,8 @@ def _figures(nb_path: Path) -> dict:
 
 
 def test_notebook_04_drops_too_long_samples_before_the_model_and_05_succeeds(run_04_05):
-    from eagle3data.hidden.extract import HiddenReader, read_mix, scan_shards
+    from eagle3data.hidden.store import HiddenReader, scan_shards
+    from eagle3data.hidden.mix import read_mix
 
     run_dir, lengths, limit, proc = run_04_05
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -133,7 +134,9 @@ def limited(ci_run, tmp_path, monkeypatch):
 
 
 def test_the_plan_is_what_runs_and_the_mix_is_written_once(limited):
-    from eagle3data.hidden.extract import HiddenError, hidden_dir, plan_extract, run_extract
+    from eagle3data.hidden.extract import plan_extract, run_extract
+    from eagle3data.hidden.store import HiddenError
+    from eagle3data.hidden.mix import hidden_dir
 
     make, calls, limit = limited
     p = make()
@@ -168,7 +171,7 @@ def test_the_plan_is_what_runs_and_the_mix_is_written_once(limited):
 
 def test_the_notebook_calls_what_the_headless_stage_calls(limited, tmp_path):
     """Notebook 04's cells, run in this process, take the same steps as `run_extract(params)` (the
-    `python -m eagle3data.hidden.extract` path): one mix built and written, one model load, one probe, one merge."""
+    `python -m eagle3data extract` path): one mix built and written, one model load, one probe, one merge."""
     import jupytext
 
     from eagle3data.hidden.extract import run_extract

@@ -3,8 +3,8 @@
 import json
 
 from eagle3data.core.profiles import QWEN3, SMOLLM2
-from eagle3data.prompts.load import (Prompt, builtin_datasets, load_prompts, messages_for_template, template_prompt,
-                                template_prompts)
+from eagle3data.prompts.load import Prompt, load_prompts, messages_for_template, template_prompt, template_prompts
+from eagle3data.prompts.files import builtin_datasets
 
 GOOD = {"sample_id": 1, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -113,7 +113,8 @@ def test_zero_usable_prompts_or_too_many_rejected_stop_the_run_and_print_the_rea
     import pytest
 
     from eagle3data.generate.plan import _check_prompt_sets
-    from eagle3data.prompts.load import PromptDataError, load_datasets
+    from eagle3data.prompts.load import load_datasets
+    from eagle3data.prompts.files import PromptDataError
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"sample_id": 1, "messages": [{"role": "user", "content": "cut\n{"sample_id": 2}\n')

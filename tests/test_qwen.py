@@ -52,7 +52,8 @@ def test_qwen3_fast_tokenizer_matches_the_package_tiktoken(qwen, qwen_tiktoken, 
 
 
 def test_qwen3_matches_tiktoken_on_the_shipped_prompts(qwen, qwen_tiktoken):
-    from eagle3data.prompts.load import builtin_datasets, load_prompts
+    from eagle3data.prompts.load import load_prompts
+    from eagle3data.prompts.files import builtin_datasets
 
     texts = [m["content"] for name in builtin_datasets() for p in load_prompts(f"builtin:{name}").prompts
              for m in p.messages]

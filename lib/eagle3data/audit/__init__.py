@@ -1,6 +1,7 @@
 """Stage 03: check every record's token structure, fast, and report it.
 
-Owns the journal as flat id arrays (`idtable`), the vectorized checks (`checks`), verdicts and
+Owns the journal as flat id arrays (`idtable`), a run's tables merged with 02's ids and split by
+the supersede rule (`runtable`), the vectorized checks (`checks`), verdicts and
 the summary (`run`), the sample inspector (`inspector`), figures (`plots`) and the shareable
 `report.html` (`report`). May import the core, `prompts`, `generate` and `rebuild`; never a
 later stage.

@@ -19,6 +19,12 @@ import pandas as pd
 from eagle3data.audit.idtable import IdTable
 from eagle3data.audit.runtable import meta_keys
 from eagle3data.core.profiles import Profile
+from eagle3data.core.params import ReconstructParams
+from eagle3data.core.reader import supersede_rule
+from eagle3data.core.spans import output_texts
+from eagle3data.core.stats import calibrated_offset
+from eagle3data.generate.turns import assistant_message
+from eagle3data.prompts.load import Prompt, template_prompt
 
 PASS, FAIL, NA, NOT_RUN = 0, 1, 2, 3
 STATUS_NAMES = {PASS: "pass", FAIL: "fail", NA: "n/a", NOT_RUN: "not run"}
@@ -362,7 +368,7 @@ def suffix_check(table: IdTable, suffix: Sequence[int]) -> np.ndarray:
 def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
     """Two completed records for one key (`reader.supersede_rule`); identical outputs for different prompts.
 
-    `table` holds one row per key (`idtable.split_superseded`); its meta column `duplicate`
+    `table` holds one row per key (`runtable.split_superseded`); its meta column `duplicate`
     marks the records of keys with another completed line. A table read without the rule
     (every journal line) gets it applied here, on the lines as they are.
     """
@@ -371,8 +377,6 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
     if "duplicate" in meta:
         dup = meta["duplicate"].to_numpy(dtype=bool)
     else:
-        from eagle3data.core.reader import supersede_rule
-
         keys = meta_keys(meta)
         is_record, d = supersede_rule(keys, meta["finish_reason"].tolist())
         done = meta["finish_reason"].isin(["stop", "length"]).to_numpy()
@@ -412,9 +416,6 @@ def _norm(s: str) -> str:
 def tokenizer_checks(table: IdTable, profile: Profile, tokenizer: Any, pos: Positions, *,
                      roundtrip: bool = True, progress: bool = False) -> dict[str, np.ndarray]:
     """Checks that need the tokenizer: prompt text, re-templating, roundtrip, text fields."""
-    from eagle3data.prompts.load import Prompt, template_prompt
-    from eagle3data.core.spans import output_texts
-
     n = len(table)
     st = {k: np.full(n, NA, np.int8) for k in
           ("prompt.tools_present", "prompt.system_present", "prompt.retemplate", "text.fields_match")}
@@ -490,9 +491,6 @@ def billed_prompt_checks(table: IdTable, calibration: dict[str, Any] | None = No
     we kept): its prompt ids are not what the model saw. n/a for engine records and records without a
     billed count.
     """
-    from eagle3data.core.params import ReconstructParams
-    from eagle3data.core.stats import calibrated_offset
-
     cal = dict(ReconstructParams().count_calibration, **(calibration or {}))  # run_audit passes the run's own
     n = len(table)
     st = np.full(n, NA, np.int8)
@@ -523,8 +521,6 @@ def on_policy_checks(table: IdTable) -> dict[str, np.ndarray]:
     records say (`turns.assistant_message` of their reasoning/content/tool_calls; 03's
     `text.fields_match` ties those to the ids). A history with the dataset's own reply, a reply of
     another turn, or an earlier turn without a completed record fails. n/a for records without `turn`."""
-    from eagle3data.generate.turns import assistant_message
-
     n = len(table)
     st = np.full(n, NA, np.int8)
     m = table.meta

@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from eagle3data.audit.run import AuditResult
-from eagle3data.audit.checks import FAIL, NA, NOT_RUN, PASS, STATUS_NAMES
+from eagle3data.audit.checks import CHECKS, FAIL, NA, NOT_RUN, PASS, STATUS_NAMES
+from eagle3data.core.reader import SampleKey, read_rebuilt, read_run
+from eagle3data.generate.turns import conversation_turns
 
 _STATUS_STYLE = {PASS: "color:#1a7f37", FAIL: "color:#fff;background:#cf222e;font-weight:bold",
                  NA: "color:#777", NOT_RUN: "color:#9a6700"}
@@ -177,7 +179,6 @@ def divergence_html(oids: Any, tokenizer: Any, start: int = 0, failed: bool = Fa
 
 def _verdict_table(result: AuditResult, i: int) -> str:
     rows = []
-    from eagle3data.audit.checks import CHECKS
 
     for c in result.status.columns:
         s = int(result.status.at[i, c])
@@ -225,7 +226,6 @@ def _count_html(m: Any) -> str:
     """For a record whose ids 02 rebuilt from text: rebuilt length against the billed completion_tokens."""
     if str(m.get("ids_from")) != "reconstruct" or not m.get("file"):
         return ""
-    from eagle3data.core.reader import SampleKey, read_rebuilt
 
     try:
         run_dir = Path(str(m["file"])).parent.parent
@@ -257,8 +257,6 @@ def _journal(result: AuditResult, i: int, views: dict[Any, Any]) -> tuple[Any, s
         return None, "the audit table names no journal for this record"
     run_dir, ds = Path(str(f)).parent.parent, str(m["dataset"])
     if (run_dir, ds) not in views:
-        from eagle3data.core.reader import read_run
-
         try:
             views[run_dir, ds] = read_run(run_dir, [ds], rebuilt=False, verdicts=False)
         except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read it
@@ -297,8 +295,6 @@ def conversation_html(result: AuditResult, i: int, tokenizer: Any, specials: dic
                       views: dict[Any, Any], limit: int = 400) -> tuple[str, list[str] | None]:
     """For a turn record: its conversation section (every turn in order, each turn's prompt/output ids, the
     history's sources), and the inspected turn's history labels (`history_labels`); ("", None) otherwise."""
-    from eagle3data.generate.turns import conversation_turns
-
     turn = _turns_of(result.meta.iloc[[i]])[0]
     if np.isnan(turn):
         return "", None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+from eagle3data.audit.checks import CHECK_NAMES, iter_checks
+from eagle3data.core.params import params_for_display, repo_root
 
 # Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
 # "figures recorded for tests" cells carry it) but are left out of every HTML rendering.
@@ -84,8 +86,6 @@ def shown_path(path: Any, base: str | Path | None = None) -> str:
 
     Outside both, an absolute path keeps only its last two parts (`…/runs/myrun`).
     """
-    from eagle3data.core.params import repo_root
-
     p = Path(str(path))
     if not p.is_absolute():
         return str(p)
@@ -115,7 +115,6 @@ def params_html(params: Any) -> HTMLBlock:
 
     import yaml
 
-    from eagle3data.core.params import params_for_display
 
     text = yaml.safe_dump(_relative_paths(redact(params_for_display(params))), sort_keys=False, allow_unicode=True)
     return HTMLBlock(f'<pre style="font-size:12px;background:#f6f8fa;padding:6px;max-height:22em;overflow:auto">{html.escape(text)}</pre>')
@@ -239,7 +238,6 @@ def check_matrix_html(result: Any) -> HTMLBlock:
 
     import pandas as pd
 
-    from eagle3data.audit.checks import CHECK_NAMES, iter_checks
 
     ct = result.check_table()
     ct = ct[ct["check"].isin([c.name for c in iter_checks(result.profile)])]

@@ -26,6 +26,10 @@ from eagle3data.audit.idtable import AuditInputError, IdTable, read_journal
 from eagle3data.audit.runtable import concat_tables, load_run, merge_reconstruct, split_superseded
 from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.stats import upper95
+from eagle3data.core.models import load_tokenizer, tokenizer_for
+from eagle3data.core.provenance import RunParamsError, params_of_run, write_provenance
+from eagle3data.generate.ledger import read_ledger
+from eagle3data.prompts.load import load_datasets, template_prompt
 
 TARGET_RATE = 0.001  # the failure rate the "records needed" column bounds (0.1 %)
 
@@ -292,8 +296,6 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
 
 def prompt_length_groups(params: Any, result: AuditResult, tokenizer: Any) -> pd.DataFrame:
     """Prompt lengths of done vs. skipped vs. cancelled samples, so a biased budget cut shows."""
-    from eagle3data.prompts.load import load_datasets, template_prompt
-
     m = result.meta
     df = pd.DataFrame({"dataset": m["dataset"].astype(str), "group": "done", "prompt_tokens": result.table.prompt_len})
     df = df[result.table.has_prompt & m["finish_reason"].isin(["stop", "length"]).to_numpy()]
@@ -320,10 +322,6 @@ def prompt_length_groups(params: Any, result: AuditResult, tokenizer: Any) -> pd
 
 def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> AuditResult:
     """Stage 03: audit every record of the run; write `audit/verdicts.jsonl` and `audit/summary.json`."""
-    from eagle3data.generate.ledger import read_ledger
-    from eagle3data.core.models import tokenizer_for
-    from eagle3data.core.provenance import write_provenance
-
     run_dir = params.run_dir
     if not (run_dir / "records").is_dir():
         raise FileNotFoundError(f"no records at {run_dir / 'records'}: run 01_generate first")
@@ -343,9 +341,6 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
 
 def _cli_tokenizer(tokenizer: str | None, run_dir: Path, profile: Profile) -> tuple[Any, str]:
     """The tokenizer for the CLI's text checks: `--tokenizer`, else the run's own (its recorded params); and why not."""
-    from eagle3data.core.models import load_tokenizer, tokenizer_for
-    from eagle3data.core.provenance import RunParamsError, params_of_run
-
     if tokenizer:
         return load_tokenizer(tokenizer, trust_remote_code=True, profile=profile), f"tokenizer {tokenizer}"
     try:

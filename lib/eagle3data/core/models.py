@@ -15,6 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any
+from eagle3data.core.params import repo_root
+from eagle3data.core.profiles import get_profile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -31,7 +33,6 @@ def cache_dir() -> Path:
     env = os.environ.get("EAGLE3DATA_CACHE")
     if env:
         return Path(env)
-    from eagle3data.core.params import repo_root
 
     return repo_root() / ".cache"
 
@@ -170,8 +171,6 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", device
 
 def tokenizer_for(params: Any) -> Any:
     """The run's tokenizer, checked against its profile."""
-    from eagle3data.core.profiles import get_profile
-
     m = params.model
     return load_tokenizer(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code,
                           profile=get_profile(params.profile))

@@ -16,6 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.profiles import PROFILES
+from eagle3data.prompts.formats import FORMATS
+from eagle3data.trainers.registry import TRAINERS, get_trainer
 
 
 class ParamsError(UserInputError, ValueError):
@@ -62,8 +65,6 @@ class DatasetParams(Strict):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        from eagle3data.prompts.formats import FORMATS
-
         if v not in FORMATS:
             raise ValueError(f"unknown dataset format {v!r}; known: {', '.join(FORMATS)}")
         return v
@@ -289,17 +290,25 @@ class HiddenParams(Strict):
                     "model computes (what SpecForge wants: its target head is a bare lm_head), or both (one more "
                     "hidden x dtype per token).",
     )
-    layout: Literal["shards", "specforge", "speculators"] = Field(
+    layout: str = Field(
         "shards",
         description="How 04 writes the states: large shards plus an index, or one file per sample in a trainer's own "
                     "format (SpecForge `.ckpt`, speculators `hs_<i>.safetensors`) that the 05 hand-off hardlinks "
                     "instead of copying (no second copy of the hidden states).",
     )
 
+    @field_validator("layout")
+    @classmethod
+    def _known_layout(cls, v: str) -> str:
+        if v != "shards" and v not in _trainer_names():
+            raise ValueError(f"unknown layout {v!r}; known: shards, {', '.join(_trainer_names())}")
+        return v
+
     @model_validator(mode="after")
     def _layout_has_its_final_state(self) -> "HiddenParams":
-        need = {"specforge": "post_norm", "speculators": "pre_norm"}.get(self.layout)
-        if need and self.final_state not in (need, "both"):
+        trainer = None if self.layout == "shards" else get_trainer(self.layout)
+        if trainer is not None and not trainer.takes(self.final_state):
+            need = trainer.final_state
             raise ValueError(f"layout {self.layout!r} needs the {need} final state: set final_state to {need!r} or 'both'")
         return self
 
@@ -322,12 +331,25 @@ class HiddenParams(Strict):
         return v
 
 
+def _trainer_names() -> list[str]:
+    """The registered trainers (`trainers.registry`), in their order: the formats an export hands the mix to."""
+    return list(TRAINERS)
+
+
 class ExportParams(Strict):
     draft_vocab_size: int = Field(32000, gt=0, description="Size of the EAGLE-3 draft vocabulary (d2t/t2d).")
-    formats: list[Literal["specforge", "speculators"]] = Field(
-        default_factory=lambda: ["specforge", "speculators"], min_length=1,
+    formats: list[str] = Field(
+        default_factory=_trainer_names, min_length=1,
         description="Trainers to hand the mix to. A trainer whose layout is hidden.layout is hardlinked (no copy); "
                     "any other is a full converted copy of the hidden states (04's estimate says how much).")
+
+    @field_validator("formats")
+    @classmethod
+    def _known_trainers(cls, v: list[str]) -> list[str]:
+        bad = [f for f in v if f not in _trainer_names()]
+        if bad:
+            raise ValueError(f"unknown trainer {bad[0]!r}; known: {', '.join(_trainer_names())}")
+        return v
 
 
 class RunParams(Strict):
@@ -345,8 +367,6 @@ class RunParams(Strict):
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, v: str) -> str:
-        from eagle3data.core.profiles import PROFILES
-
         if v not in PROFILES:
             raise ValueError(f"unknown profile {v!r}; known: {', '.join(sorted(PROFILES))}")
         return v

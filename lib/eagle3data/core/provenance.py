@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.params import RunParams, repo_root
 
 PACKAGES = ("eagle3data", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow",
             "pandas", "httpx", "pydantic", "papermill")
@@ -25,8 +26,6 @@ PACKAGES = ("eagle3data", "torch", "transformers", "tokenizers", "safetensors", 
 
 def git_state(cwd: Path | None = None) -> dict[str, Any]:
     """Commit hash and dirty flag of the repository holding this package (None outside git)."""
-    from eagle3data.core.params import repo_root
-
     root = cwd or repo_root()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -78,7 +77,6 @@ def params_of_run(run_dir: str | Path) -> Any:
     """The params a run folder was made with: the latest stage's recorded params (04, 03, else 01), pointed at it."""
     import json
 
-    from eagle3data.core.params import RunParams
 
     run_dir = Path(run_dir)
     for stage in ("04_extract_hidden", "03_audit", "01_generate"):

@@ -1,7 +1,7 @@
 """The one reader of a run: its journals, 02's rebuilt ids and 03's verdicts, under one key.
 
 Every stage after 01 reads a run through here (03 reads the journals' ids through its fast
-array reader, `idtable.py`, and applies the same rule with `supersede_rule`):
+array reader, `audit.idtable`, and applies the same rule with `supersede_rule` in `audit.runtable`):
 
 - **One key.** A sample is `SampleKey.of(row)`, written `dataset/sample_id` (`#turn` for a turn).
 - **The latest journal line per key is the record** (its latest *completed* line when an

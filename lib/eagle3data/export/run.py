@@ -22,17 +22,23 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable
 
 import numpy as np
 import orjson
 
 from eagle3data.core.reader import RunFileError, Sample, SampleKey, read_run
-from eagle3data.export.vocab import (DraftVocab, VocabError, build_draft_vocab, coverage_curve, load_draft_vocab,  # noqa: F401
-                    output_token_counts, save_draft_vocab)
+from eagle3data.export.vocab import (DraftVocab, build_draft_vocab, coverage_curve, output_token_counts,
+                                     save_draft_vocab)
+from eagle3data.trainers.registry import TRAINERS, get_trainer
+from eagle3data.core.models import context_limit
+from eagle3data.core.profiles import get_profile
+from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
+from eagle3data.export.handoff import write_handoff
+from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
+from eagle3data.hidden.store import INDEX_FILE, index_keys
 
-Format = Literal["specforge", "speculators"]
-FORMATS: tuple[str, ...] = ("specforge", "speculators")
+FORMATS: tuple[str, ...] = tuple(TRAINERS)
 META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")
 
 
@@ -87,9 +93,6 @@ def select_samples(params: Any) -> Selection:
     hidden-state index when 04 stored states; otherwise builds the mix with the same rule
     (without writing it). The records come through the one reader, read once.
     """
-    from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
-    from eagle3data.core.models import context_limit
-
     run_dir = params.run_dir
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
@@ -121,8 +124,6 @@ def _check_index(hdir: Path, mix: Any) -> None:
     """When 04 stored hidden states, its index must hold exactly the mix's keys, in mix order."""
     import pyarrow.parquet as pq
 
-    from eagle3data.hidden.extract import INDEX_FILE
-    from eagle3data.hidden.store import index_keys
 
     path = hdir / INDEX_FILE
     if not path.exists():
@@ -194,7 +195,21 @@ def _write_parquet(path: Path, samples: list[Sample]) -> None:
     pq.write_table(table, path)
 
 
-def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, counts: np.ndarray,
+# the token files of an export, by name: how each is written and what it holds (a trainer names those it takes)
+_TOKEN_FILES = {
+    "conversations.jsonl": (
+        lambda path, samples: _write_jsonl(path, (conversation(s.record) for s in samples)),
+        "SpecForge conversations (id, conversations[role, content, reasoning_content], tools): text, re-templated by "
+        "the trainer"),
+    "token_ids.jsonl": (
+        lambda path, samples: _write_jsonl(path, (token_record(s) for s in samples)),
+        "token-level records (id, dataset, sample_id, turn, source, ids_exact, finish_reason, input_ids, loss_mask): "
+        "exact ids"),
+    "data.parquet": (_write_parquet, "token-level records (input_ids, loss_mask + metadata columns): exact ids"),
+}
+
+
+def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, counts: np.ndarray,
            vocab: DraftVocab, params: Any = None) -> dict[str, Any]:
     """Write one trainer format of the selection plus its draft vocabulary into `out`; returns the manifest.
 
@@ -210,28 +225,12 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
     files: dict[str, str] = {}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     files["draft_vocab.safetensors"] = "d2t int64 [draft_vocab] (target_id = draft_id + d2t), t2d bool [target_vocab]"
-    if fmt == "specforge":
-        import torch
-
-        _write_jsonl(out / "conversations.jsonl", (conversation(s.record) for s in sel.samples))
-        files["conversations.jsonl"] = "SpecForge conversations (id, conversations[role, content, reasoning_content], tools): text, re-templated by the trainer"
-        _write_jsonl(out / "token_ids.jsonl", (token_record(s) for s in sel.samples))
-        files["token_ids.jsonl"] = "token-level records (id, dataset, sample_id, turn, source, ids_exact, finish_reason, input_ids, loss_mask): exact ids"
-        torch.save({"d2t": torch.from_numpy(vocab.d2t.copy()), "t2d": torch.from_numpy(vocab.t2d.copy())},
-                   out / "vocab_mapping.pt")
-        files["vocab_mapping.pt"] = "torch dict {d2t, t2d}: SpecForge's vocab mapping file"
-    else:
-        import torch
-
-        _write_parquet(out / "data.parquet", sel.samples)
-        files["data.parquet"] = "token-level records (input_ids, loss_mask + metadata columns): exact ids"
-        nz = np.flatnonzero(counts)
-        torch.save({int(i): int(counts[i]) for i in nz}, out / "token_freq.pt")
-        files["token_freq.pt"] = "torch dict {token_id: count} of output tokens (loss_mask 1)"
-        np.save(out / "d2t.npy", vocab.d2t)
-        np.save(out / "t2d.npy", vocab.t2d)
-        files["d2t.npy"] = "draft-to-target offsets, int64"
-        files["t2d.npy"] = "target-in-draft membership, bool"
+    trainer = get_trainer(fmt)
+    for name in trainer.export_files:  # the token files this trainer takes, then its draft vocabulary
+        write, holds = _TOKEN_FILES[name]
+        write(out / name, sel.samples)
+        files[name] = holds
+    files.update(trainer.write_export_vocab(out, vocab.d2t, vocab.t2d, counts))
     handoff: dict[str, Any] | str = "not written: no params given"
     if params is not None:
         handoff = _handoff(params, sel, out, fmt, vocab)
@@ -266,8 +265,6 @@ def export(run_dir: str | Path, out: str | Path, fmt: Format, sel: Selection, co
 
 def params_of_run(run_dir: Path) -> Any:
     """The params a run folder was made with (`provenance.params_of_run`); problems are ExportErrors."""
-    from eagle3data.core.provenance import RunParamsError, params_of_run as read
-
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
     try:
@@ -339,10 +336,6 @@ def _bytes(folder: Path, pattern: str) -> int:
 
 def _handoff(params: Any, sel: Selection, out: Path, fmt: str, vocab: DraftVocab) -> dict[str, Any] | str:
     """The trainer's own layout of the mix, or why it is not written (04 has stored no hidden states)."""
-    from eagle3data.export.handoff import write_handoff
-    from eagle3data.hidden.extract import INDEX_FILE
-    from eagle3data.hidden.mix import hidden_dir
-
     if not (hidden_dir(params) / INDEX_FILE).exists():
         return "not written: 04 has stored no hidden states (no hidden/index.parquet); token files only"
     return write_handoff(params, sel.samples, out, fmt, vocab=vocab)
@@ -350,22 +343,18 @@ def _handoff(params: Any, sel: Selection, out: Path, fmt: str, vocab: DraftVocab
 
 def _counts_and_vocab(params: Any, sel: Selection) -> tuple[np.ndarray, DraftVocab]:
     """The selection's output-token counts and its draft vocabulary: computed once per export."""
-    from eagle3data.core.profiles import get_profile
-
     counts = output_token_counts(sel.samples, get_profile(params.profile).vocab_size)
     return counts, build_draft_vocab(counts, params.export.draft_vocab_size)
 
 
 def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] | None = None) -> ExportResult:
     """Export 04's mix in each format (`export.formats`) into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
-    from eagle3data.core.provenance import write_provenance
-
     run_dir = params.run_dir
     out = Path(out) if out else run_dir / "export"
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
     formats = list(formats if formats is not None else params.export.formats)
-    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params)  # type: ignore[arg-type]
+    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params)
                  for fmt in formats}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
@@ -378,7 +367,7 @@ def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
-    return export(params.run_dir, out, fmt, sel, counts, vocab, params)  # type: ignore[arg-type]
+    return export(params.run_dir, out, fmt, sel, counts, vocab, params)
 
 
 def export_cli(run: str, *, fmt: str, out: str) -> int:

@@ -19,7 +19,8 @@ from eagle3data.core.reader import SampleKey
 from eagle3data.core.records import scan_journal
 from eagle3data.generate.ledger import DatasetLedger
 from eagle3data.generate.turns import Conversation, end_kind
-from eagle3data.prompts.load import Prompt, PromptDataError, PromptSet, load_datasets, template_prompt, template_prompts
+from eagle3data.prompts.load import Prompt, PromptSet, load_datasets, template_prompt, template_prompts
+from eagle3data.prompts.files import PromptDataError
 
 
 @dataclass

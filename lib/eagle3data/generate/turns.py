@@ -35,6 +35,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from typing import Any
+from eagle3data.core.reader import RunView, SampleKey, read_run
+from eagle3data.prompts.load import Prompt
 
 def assistant_message(rec: dict[str, Any]) -> dict[str, Any]:
     """The assistant message a turn's record puts into later turns' history (what the model produced).
@@ -131,8 +133,6 @@ class Conversation:
 
     def turn_prompt(self) -> Any:
         """The next turn as a Prompt (its messages: the history so far, a copy)."""
-        from eagle3data.prompts.load import Prompt
-
         return Prompt(self.prompt.dataset, self.prompt.sample_id, copy.deepcopy(self.history), self.prompt.tools)
 
     def end(self, reason: str) -> str:
@@ -217,7 +217,6 @@ def conversation_turns(run: Any, dataset: str, sample_id: Any):
     """
     import pandas as pd
 
-    from eagle3data.core.reader import RunView, SampleKey, read_run
 
     view = run if isinstance(run, RunView) else read_run(run, [dataset], rebuilt=False, verdicts=False)
     recs = sorted((r for r in view.records([dataset]) if str(r["sample_id"]) == str(sample_id)

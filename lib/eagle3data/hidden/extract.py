@@ -1,4 +1,4 @@
-"""Stage 04: EAGLE-3 hidden states of the training mix, in large bf16 safetensors shards plus an index.
+"""Stage 04: EAGLE-3 hidden states of the training mix, captured and handed to the store (`store.py`).
 
 For every token of prompt + output the drafter trains on the states of the target: the
 outputs of three decoder layers chosen by the profile's rule (`profiles.aux_layers` on the
@@ -13,21 +13,10 @@ layers), batched by a token budget over sequences of similar length; padding is 
 but never stored. Which states a store holds is recorded in every file's metadata and in
 `index.json` (`states`, `final_state`, `layout`).
 
-On disk (`<run>/hidden/` or `hidden.out_dir`):
-- `mix.parquet`, `mix_manifest.json`: the training mix (see `mix.py`).
-- `shards/rRRR-NNNNN.safetensors`: `hidden_states` [tokens, 4, hidden] (bf16 by default),
-  `input_ids` [tokens] int32, `loss_mask` [tokens] uint8, samples concatenated; the shard's
-  metadata lists its samples (offset, length) so shards describe themselves. A shard is
-  written to `.tmp` and renamed when complete: a crash leaves at most a `.tmp`, which the
-  next run discards and redoes.
-- or, with `hidden.layout` `specforge` / `speculators`, one file per sample in that trainer's
-  own format under `samples/` (`p<position>.ckpt`: `input_ids`, `loss_mask`, `hidden_state`
-  [1, n, H] post-norm, `aux_hidden_state` [1, n, 3H]; `p<position>.safetensors`:
-  `hidden_states` [n, 4, H] = 3 aux + pre-norm, `token_ids` [n] int64, `loss_mask`), each with
-  the same `eagle3data` metadata. The 05 hand-off (`handoff.py`) hardlinks these files into
-  the trainer's folder instead of copying them.
-- `index.parquet` (one row per sample: dataset, sample_id, source, ids_exact, position in
-  the mix, shard (file), offset, length, loss_tokens) and `index.json` (layers, states, sizes, skipped).
+On disk (`<run>/hidden/` or `hidden.out_dir`): the mix (`mix.py`), then the store: shards or
+one file per sample in a trainer's own format (`hidden.layout`), and the one index; the store's
+files are written and read by `store.py` alone (its docstring describes them), this module
+captures the states and hands them to the store's writers.
 
 One plan: `plan_extract(params)` builds the mix once, with the model's context limit (longer
 samples are dropped as `too_long`, never fed to the model), the layer plan, this worker's work
@@ -48,21 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix, source_sequences, tmp_tag  # noqa: F401
-from eagle3data.core.models import context_limit
+from eagle3data.core.models import context_limit, load_model, resolve_model_path
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers, get_profile
-from eagle3data.core.progress import Progress
-from eagle3data.core.reader import Sample, SampleKey
-# the store on disk (re-exported: `from eagle3data.hidden.extract import HiddenReader` keeps working)
-from eagle3data.hidden.store import (AUX_NAMES, FINAL_NAMES, ID_MASK_BYTES, INDEX_FILE, INFO_FILE, SAMPLE_DIR,  # noqa: F401
-                    SAMPLE_SUFFIX, SHARD_DIR, STATE_NAMES, HiddenError, HiddenReader, SampleFileWriter, ShardScan,
-                    ShardWriter, Validation, _torch_dtype, bytes_per_token, handoff_bytes_per_token,
-                    read_sample_file, read_shard_meta, sample_dir, scan_shards, shard_dir, state_names,
-                    validate_store, write_sample_file)
-from eagle3data.hidden.store import Estimate, _free_bytes, check_disk  # noqa: F401  (04's disk estimate)
+from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
+from eagle3data.core.reader import Sample
+from eagle3data.hidden.estimate import Estimate, check_disk, estimate_work
+from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix
+from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Validation, _torch_dtype, bytes_per_token,
+                                     index_rows, open_writer, scan_shards, state_names, validate_store, write_index)
+from eagle3data.core.provenance import write_provenance
 
 STAGE = "04_extract_hidden"
 
@@ -214,8 +198,6 @@ def worker_device(params: RunParams) -> str:
 
 def load_extract_model(params: RunParams) -> Any:
     """The target model for this worker (params' dtype and device_map; device per LOCAL_RANK)."""
-    from eagle3data.core.models import load_model
-
     m = params.model
     return load_model(m.path, dtype=m.dtype, device=worker_device(params), device_map=m.device_map,
                       trust_remote_code=m.trust_remote_code)
@@ -225,7 +207,6 @@ def load_config(params: RunParams) -> Any:
     """The model's config without loading weights (layer count, hidden size, context)."""
     from transformers import AutoConfig
 
-    from eagle3data.core.models import resolve_model_path
 
     return AutoConfig.from_pretrained(str(resolve_model_path(params.model.path)),
                                       trust_remote_code=params.model.trust_remote_code)
@@ -269,8 +250,6 @@ class _ExtractLine:
         self._last = 0.0
 
     def update(self, stats: dict[str, Any], elapsed: float, final: bool = False) -> None:
-        from eagle3data.core.progress import fmt_duration, fmt_tokens
-
         now = time.monotonic()
         if not final and now - self._last < 1.0:
             return
@@ -319,21 +298,6 @@ def plan_work(params: RunParams, mix: Mix, *, rank: int, world_size: int) -> Wor
     done = scan.done_keys()
     todo = [(i, s) for i, s in part if s.key not in done]
     return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
-
-
-def estimate_extract(params: RunParams, plan: WorkPlan, config: Any, mix: Mix | None = None) -> Estimate:
-    """Bytes (tokens x states x hidden x dtype + ids + mask) and free disk of the work left (the time
-    comes from `probe`); with the mix, what its turn records cost (`Estimate.turn_cost`)."""
-    hp = params.hidden
-    hsize = int(text_config(config).hidden_size)
-    bpt = bytes_per_token(hsize, hp.dtype, len(state_names(hp.final_state)), hp.layout)
-    tokens = sum(len(s.input_ids) for _, s in plan.todo)
-    hdir = hidden_dir(params)
-    est = Estimate(len(plan.todo), tokens, hsize, bpt, tokens * bpt, _free_bytes(hdir), hp.disk_margin,
-                   layout=hp.layout, final_state=hp.final_state, dtype=hp.dtype,
-                   store_tokens=sum(len(s.input_ids) for _, s in plan.part),
-                   turns=None if mix is None else mix.manifest.get("turns"))
-    return est
 
 
 @dataclass
@@ -392,7 +356,7 @@ def plan_extract(params: RunParams, *, model: Any = None, load_model: bool = Tru
     mix = build_mix(params, max_context=max_ctx)  # written once: nothing below rebuilds or rewrites it
     layers = layer_plan(params, config)
     work = plan_work(params, mix, rank=rank, world_size=world)
-    est = estimate_extract(params, work, config, mix)
+    est = estimate_work(params, work, int(text_config(config).hidden_size), mix)
     if model is None and load_model and work.todo and est.fits:
         model = load_extract_model(params)
     if model is not None and work.todo and params.hidden.probe_batches > 0:
@@ -480,8 +444,6 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     not rebuilt or rewritten, the index is merged and validated against it. A plan runs once.
     `max_new_shards` stops after writing that many shards (to bound a session; resume later).
     """
-    from eagle3data.core.provenance import write_provenance
-
     plan = plan_extract(params, model=model) if plan is None else plan
     wrong = ("has run already: make a new one to resume" if plan.executed
              else "was made for other params" if plan.params != params
@@ -525,8 +487,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
             batches = plan_batches([len(x) for x in seqs], hp.batch_tokens)
             if not est.probe_seconds:  # timed once: by the plan when it had the model, else here
                 est.probe_tokens, est.probe_seconds = probe(cap, seqs, batches, hp.probe_batches)
-            writer = (ShardWriter(hdir, rank, hp.shard_bytes, info) if hp.layout == "shards"
-                      else SampleFileWriter(hdir, rank, hp.layout, info))
+            writer = open_writer(hdir, rank, hp.layout, hp.shard_bytes, info)
             pad_id = int(getattr(text_config(config), "pad_token_id", None) or 0)
             total_tokens = sum(len(x) for x in seqs)
             line = _ExtractLine(rank, len(seqs), total_tokens, Progress(progress, run_dir=params.run_dir,
@@ -598,101 +559,29 @@ class IncompleteError(HiddenError):
 
 def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None,
                 allow_partial: bool = False) -> Any:
-    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards.
+    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards (`store.write_index`).
 
     Each mix sample appears once (a sample found in two shards, e.g. after the world size
     changed mid-run, is indexed from the first shard by name and counted as a duplicate);
     shard samples no longer in the mix are left out and counted as stale. Raises
     IncompleteError while samples are missing, unless `allow_partial`.
     """
-    import pandas as pd
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     hdir = hidden_dir(params)
     mix = mix or read_mix(hdir)
     config = config if config is not None else load_config(params)
     layers = layer_plan(params, config)
-    want = {s.key: (i, s) for i, s in enumerate(mix.samples)}
     too_long = [d for d in mix.dropped if d["reason"] == "too_long"]  # reported here too; never in the mix
     scan = scan_shards(hdir)
     states = state_names(params.hidden.final_state)
     scan.check_kind(params.hidden.layout, states, hdir)
-    rows: dict[str, dict[str, Any]] = {}
-    duplicates = stale = 0
-    for shard, entries in sorted(scan.shards.items()):
-        for e in entries:
-            k = SampleKey.of(e)
-            if k not in want:
-                stale += 1
-                continue
-            if k in rows:
-                duplicates += 1
-                continue
-            rows[k] = {**e, "key": str(k), "turn": k.turn, "position": want[k][0], "shard": shard}
-    missing = [str(k) for k in want if k not in rows]
+    rows, missing, duplicates, stale = index_rows(scan, mix.samples)
     if missing and not allow_partial:
-        raise IncompleteError(f"{len(missing)} of {len(want)} mix samples are not stored yet "
+        raise IncompleteError(f"{len(missing)} of {len(mix.samples)} mix samples are not stored yet "
                               f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
-    cols = ["key", "dataset", "sample_id", "turn", "source", "ids_exact", "position", "shard", "offset", "length",
-            "loss_tokens"]
-    df = pd.DataFrame(sorted(rows.values(), key=lambda r: r["position"]), columns=cols)
-    df = df.astype({"turn": "Int32", "position": "int64", "offset": "int64", "length": "int64",
-                    "loss_tokens": "int64"})
-    tag = tmp_tag()
-    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(hdir / INDEX_FILE) + tag)
-    os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)
-    hsize = int(text_config(config).hidden_size)
-    info = {
-        "model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
-        "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
-        "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
-        "hidden_size": hsize, "dtype": params.hidden.dtype,
-        "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
-        "bytes_per_token": bytes_per_token(hsize, params.hidden.dtype, len(states), params.hidden.layout),
-        "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
+    run = {"model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
+           "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
+           "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
+           "hidden_size": int(text_config(config).hidden_size), "dtype": params.hidden.dtype}
+    return write_index(hdir, rows, scan, run, {
         "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
-        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint"),
-    }
-    (hdir / (INFO_FILE + tag)).write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-    os.replace(hdir / (INFO_FILE + tag), hdir / INFO_FILE)
-    return df
-
-
-# ---------------------------------------------------------------------------- CLI (torchrun)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`[torchrun --nproc-per-node N] python -m eagle3data.hidden.extract PARAMS [-p KEY VALUE]... [--merge-only]`."""
-    import argparse
-
-    from eagle3data.core.params import ParamsError, load_params
-
-    ap = argparse.ArgumentParser(prog="python -m eagle3data.hidden.extract", description=main.__doc__)
-    ap.add_argument("params")
-    ap.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
-    ap.add_argument("--merge-only", action="store_true", help="only merge the index and validate")
-    args = ap.parse_args(argv)
-    try:
-        params = load_params(args.params, dict(args.p or []))
-    except ParamsError as e:
-        print(e)
-        return 2
-    if args.merge_only:
-        df = merge_index(params)
-        v = validate_store(params)
-        print(f"index: {len(df)} samples, {int(df['length'].sum())} tokens; validation problems: {len(v.problems)}")
-        return 0 if v.ok else 1
-    res = run_extract(params, progress=dist_env()[0] == 0)
-    print(orjson.dumps({"rank": res.rank, **res.stats}).decode())
-    if res.merged:
-        print(f"index merged: {len(res.index)} samples; validation problems: "
-              f"{'skipped' if res.validation is None else len(res.validation.problems)}")
-        return 0 if res.validation is None or res.validation.ok else 1
-    print(f"rank {res.rank}: done; {res.waiting_for} samples of other workers not stored yet "
-          "(the last worker to finish merges the index)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint")})

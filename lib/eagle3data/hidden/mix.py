@@ -27,7 +27,7 @@ import orjson
 
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import RunFileError, RunView, Sample, SampleKey, read_run
-from eagle3data.rebuild.text import PROOF_RANK
+from eagle3data.rebuild.proof import PROOF_RANK
 
 __all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "build_mix", "hidden_dir",
            "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]

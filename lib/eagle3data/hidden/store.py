@@ -1,9 +1,20 @@
-"""04's store on disk: shards or per-sample trainer files, the index, the reader, and the validation.
+"""04's store on disk, written and read here only: shards or per-sample trainer files, the index, the reader.
 
-What 04 writes (see `hidden.py` for how it is computed): `shards/rRRR-NNNNN.safetensors`
-(samples concatenated, self-describing metadata) or, with `hidden.layout` `specforge` /
-`speculators`, one file per sample in that trainer's format under `samples/`; then
-`index.parquet` + `index.json`, the one index of the mix's samples in mix order.
+What 04 writes (`<run>/hidden/` or `hidden.out_dir`, beside the mix of `mix.py`; `extract`
+captures the states and hands them to the writers here):
+- `shards/rRRR-NNNNN.safetensors`: `hidden_states` [tokens, S, hidden] (bf16 by default; S =
+  the states of `hidden.final_state`, `state_names`), `input_ids` [tokens] int32, `loss_mask`
+  [tokens] uint8, samples concatenated; the shard's metadata lists its samples (offset,
+  length) so shards describe themselves. A shard is written to `.tmp` and renamed when
+  complete: a crash leaves at most a `.tmp`, which the next run discards and redoes.
+- or, with `hidden.layout` a trainer's name (`specforge` / `speculators`), one file per sample
+  in that trainer's own format under `samples/` (`p<position><suffix>`, written and read by
+  the trainer's module in `eagle3data.trainers`), each with the same `eagle3data` metadata.
+  The 05 hand-off hardlinks these files into the trainer's folder instead of copying them.
+- `index.parquet` (one row per sample: key, dataset, sample_id, turn, source, ids_exact,
+  position in the mix, shard (file), offset, length, loss_tokens) and `index.json` (layers,
+  states, sizes, skipped), the one index of the mix's samples in mix order (`write_index`).
+
 `HiddenReader` reads a sample by key or row whatever the layout; `validate_store` re-reads
 every sample against the run's records (through the one reader).
 """
@@ -11,17 +22,18 @@ every sample against the run's records (through the one reader).
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import orjson
 
 from eagle3data.core.errors import UserInputError
-from eagle3data.hidden.mix import Mix, hidden_dir, read_mix, source_sequences
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import Sample, SampleKey
+from eagle3data.hidden.mix import Mix, hidden_dir, read_mix, source_sequences, tmp_tag
+from eagle3data.trainers.base import AUX_STATES, Trainer
+from eagle3data.trainers.registry import get_trainer, trainer_for_suffix
 
 
 class HiddenError(UserInputError, RuntimeError):
@@ -30,11 +42,16 @@ class HiddenError(UserInputError, RuntimeError):
 
 SHARD_DIR = "shards"
 SAMPLE_DIR = "samples"
+SHARD_SUFFIX = ".safetensors"
 INDEX_FILE = "index.parquet"
 INFO_FILE = "index.json"
 AUX_NAMES = ("aux_low", "aux_mid", "aux_high")
 FINAL_NAMES = {"pre_norm": ("pre_norm",), "post_norm": ("post_norm",), "both": ("pre_norm", "post_norm")}
-SAMPLE_SUFFIX = {"specforge": ".ckpt", "speculators": ".safetensors"}
+OLD_STATES = ("aux_low", "aux_mid", "aux_high", "final_norm")  # stores written before `hidden.final_state`
+SHARD_ID_MASK_BYTES = 4 + 1  # a shard's input id int32 + loss mask uint8 per token
+INDEX_COLUMNS = ["key", "dataset", "sample_id", "turn", "source", "ids_exact", "position", "shard", "offset",
+                 "length", "loss_tokens"]
+assert len(AUX_NAMES) == AUX_STATES
 
 
 def state_names(final_state: str = "both") -> tuple[str, ...]:
@@ -44,39 +61,28 @@ def state_names(final_state: str = "both") -> tuple[str, ...]:
     return AUX_NAMES + FINAL_NAMES[final_state]
 
 
-STATE_NAMES = state_names("both")
-
-
 def _torch_dtype(name: str) -> Any:
     import torch
 
     return getattr(torch, name)
 
 
-# bytes of (input id, loss mask) per token in each layout: shards int32 + uint8; SpecForge's
-# .ckpt int64 + int64 (as its own capture writes them); speculators' token_ids int64 + uint8
-ID_MASK_BYTES = {"shards": 4 + 1, "specforge": 8 + 8, "speculators": 8 + 1}
+def id_mask_bytes(layout: str) -> int:
+    """Bytes of (input id, loss mask) per token in a layout: shards int32 + uint8, else the trainer's own."""
+    return SHARD_ID_MASK_BYTES if layout == "shards" else get_trainer(layout).id_mask_bytes
 
 
 def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", states: int = 4, layout: str = "shards") -> int:
     """Bytes one token takes on disk: states x hidden x dtype size, plus its id and mask (per layout)."""
-    return states * hidden_size * _torch_dtype(dtype).itemsize + ID_MASK_BYTES[layout]
+    return states * hidden_size * _torch_dtype(dtype).itemsize + id_mask_bytes(layout)
 
 
-def handoff_bytes_per_token(fmt: str, layout: str, final_state: str, hidden_size: int, dtype: str = "bfloat16") -> int | None:
-    """Hidden-state bytes per token the 05 hand-off to trainer `fmt` writes on top of 04's store.
-
-    0 when 04 wrote `fmt`'s own per-sample files (the hand-off hardlinks them: same filesystem);
-    otherwise a full conversion (4 states per token in the trainer's format); None when the
-    store lacks the final state `fmt` needs (rerun 04 with that `final_state`).
-    """
-    need = {"specforge": "post_norm", "speculators": "pre_norm"}[fmt]
-    if need not in FINAL_NAMES[final_state]:
-        return None
-    return 0 if layout == fmt else bytes_per_token(hidden_size, dtype, 4, fmt)
+def split_states(states: Any, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+    """A sample's states [n, S, H] (ordered as `names`) as the aux states [n, 3, H] and {final name: [n, H]}."""
+    return states[:, : len(AUX_NAMES)], {x: states[:, i] for i, x in enumerate(names) if i >= len(AUX_NAMES)}
 
 
-# ---------------------------------------------------------------------------- shards
+# ---------------------------------------------------------------------------- files
 
 
 def shard_dir(hdir: Path) -> Path:
@@ -84,7 +90,7 @@ def shard_dir(hdir: Path) -> Path:
 
 
 def sample_dir(hdir: Path) -> Path:
-    """Per-sample files of the `specforge` / `speculators` layouts."""
+    """Per-sample files of a trainer's layout."""
     return hdir / SAMPLE_DIR
 
 
@@ -126,24 +132,22 @@ def index_keys(index: Any) -> list[SampleKey]:
 def read_shard_meta(path: Path) -> dict[str, Any]:
     """A shard's (or per-sample file's) own description (samples with offset and length, layers, states, dtype)."""
     path = Path(path)
-    if path.suffix == ".ckpt":
-        import torch
-
-        raw = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-        meta = {"eagle3data": raw["eagle3data"]} if isinstance(raw, dict) and "eagle3data" in raw else {}
+    trainer = trainer_for_suffix(path.suffix) if path.parent.name == SAMPLE_DIR or path.suffix != SHARD_SUFFIX else None
+    if trainer is not None:
+        raw = trainer.read_meta(path)
     else:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    if "eagle3data" not in meta:
+            raw = (f.metadata() or {}).get("eagle3data")
+    if raw is None:
         raise HiddenError(f"{path}: not an eagle3data shard (no `eagle3data` metadata)")
-    return orjson.loads(meta["eagle3data"])
+    return orjson.loads(raw)
 
 
 def _file_kind(meta: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     # stores written before `hidden.final_state` named the post-norm state `final_norm`
-    return meta.get("layout", "shards"), tuple(meta.get("states") or ("aux_low", "aux_mid", "aux_high", "final_norm"))
+    return meta.get("layout", "shards"), tuple(meta.get("states") or OLD_STATES)
 
 
 def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all: bool = False) -> ShardScan:
@@ -164,7 +168,7 @@ def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all:
         # shards are named r<rank>-N; a per-sample file's .tmp carries its writer's rank (p<pos>.<ext>.r<rank>.tmp)
         return p.name.startswith(tag + "-") or p.name.endswith(f".{tag}.tmp")
 
-    for d, pattern in ((shard_dir(hdir), "*.safetensors"), (sample_dir(hdir), "p*")):
+    for d, pattern in ((shard_dir(hdir), "*" + SHARD_SUFFIX), (sample_dir(hdir), "p*")):
         if not d.exists():
             continue
         for p in sorted(d.glob("*.tmp")):
@@ -172,7 +176,7 @@ def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all:
                 p.unlink(missing_ok=True)
                 scan.discarded.append(p.name)
         for p in sorted(d.glob(pattern)):
-            if p.suffix not in (".safetensors", ".ckpt"):
+            if p.suffix != SHARD_SUFFIX and trainer_for_suffix(p.suffix) is None:
                 continue
             try:
                 meta = read_shard_meta(p)  # safetensors / torch refuse a file shorter than its header says
@@ -198,7 +202,7 @@ class ShardWriter:
         self.rank = rank
         self.cap = shard_bytes
         self.info = info
-        nums = [int(p.name.split("-")[1].split(".")[0]) for p in self.dir.glob(f"r{rank:03d}-*.safetensors")]
+        nums = [int(p.name.split("-")[1].split(".")[0]) for p in self.dir.glob(f"r{rank:03d}-*{SHARD_SUFFIX}")]
         self.next_no = max(nums, default=-1) + 1
         self.written: list[str] = []
         self._reset()
@@ -212,13 +216,13 @@ class ShardWriter:
         self.bytes = 0
 
     def add(self, s: Sample, position: int, states: Any) -> None:
-        """Queue one sample's states `[n, 4, hidden]` (CPU, storage dtype) with its ids and mask."""
+        """Queue one sample's states `[n, S, hidden]` (CPU, storage dtype) with its ids and mask."""
         import torch
 
         n = len(s.input_ids)
         if states.shape[0] != n:
             raise HiddenError(f"{s.key}: {states.shape[0]} states for {n} tokens")
-        nbytes = states.numel() * states.element_size() + 5 * n
+        nbytes = states.numel() * states.element_size() + SHARD_ID_MASK_BYTES * n
         if self.entries and self.bytes + nbytes > self.cap:
             self.flush()
         self.entries.append(index_entry(s, position, self.tokens))
@@ -235,7 +239,7 @@ class ShardWriter:
 
         if not self.entries:
             return None
-        name = f"r{self.rank:03d}-{self.next_no:05d}.safetensors"
+        name = f"r{self.rank:03d}-{self.next_no:05d}{SHARD_SUFFIX}"
         tensors = {"hidden_states": torch.cat(self.states).contiguous(), "input_ids": torch.cat(self.ids),
                    "loss_mask": torch.cat(self.masks)}
         meta = {**self.info, "rank": self.rank, "samples": self.entries, "tokens": self.tokens}
@@ -251,111 +255,107 @@ class ShardWriter:
 
 
 class SampleFileWriter:
-    """Writes each sample at once as one file in a trainer's own format (layout `specforge` / `speculators`).
+    """Writes each sample at once as one file in a trainer's own format (`hidden.layout` a trainer's name).
 
-    `specforge`: `samples/p<position>.ckpt`, a torch file holding `input_ids` and `loss_mask`
-    (int64 [n]), `hidden_state` [1, n, H] (post-norm), `aux_hidden_state` [1, n, 3H] and, when
-    stored, `pre_norm` [1, n, H]; `speculators`: `samples/p<position>.safetensors` holding
-    `hidden_states` [n, 4, H] (3 aux + pre-norm), `token_ids` int64 [n], `loss_mask` uint8 [n]
-    and, when stored, `post_norm` [n, H]. Both carry the shard metadata (one sample, offset 0):
+    `samples/p<position><suffix>`, written by the trainer's module (`Trainer.write_sample`)
+    with every final state the store holds and the shard metadata (one sample, offset 0):
     the same key `eagle3data`. Written to `.r<rank>.tmp`, fsynced, renamed.
     """
 
     def __init__(self, hdir: Path, rank: int, layout: str, info: dict[str, Any]):
         self.dir = sample_dir(hdir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.layout = layout
-        self.suffix = SAMPLE_SUFFIX[layout]
+        self.trainer: Trainer = get_trainer(layout)
         self.info = info
         self.names: tuple[str, ...] = tuple(info["states"])
+        need = self.trainer.final_state
+        if need not in self.names:
+            raise HiddenError(f"{self.dir}: the store holds {list(self.names)}, but {layout} needs the {need} state: "
+                              f"rerun 04 with hidden.final_state {need!r} or 'both'")
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.written: list[str] = []
         self.entries: list[dict[str, Any]] = []  # always empty: nothing waits in memory
         self.tokens = 0
 
     def add(self, s: Sample, position: int, states: Any) -> None:
-        import torch
-
         n = len(s.input_ids)
         if states.shape[0] != n:
             raise HiddenError(f"{s.key}: {states.shape[0]} states for {n} tokens")
         entry = index_entry(s, position, 0)
         meta = orjson.dumps({**self.info, "rank": self.rank, "samples": [entry], "tokens": n}).decode()
-        name = f"p{position:09d}{self.suffix}"
-        write_sample_file(self.dir / name, self.layout, s.input_ids, s.loss_mask, states, self.names, meta,
-                          tmp_suffix=f".r{self.rank:03d}.tmp")
+        name = f"p{position:09d}{self.trainer.sample_suffix}"
+        aux, finals = split_states(states, self.names)
+        self.trainer.write_sample(self.dir / name, s.input_ids, s.loss_mask, aux, finals, meta,
+                                  tmp_suffix=f".r{self.rank:03d}.tmp")
         self.written.append(name)
 
     def flush(self) -> None:
         return None
 
 
-def write_sample_file(path: Path, layout: str, input_ids: Any, loss_mask: Any, states: Any, names: tuple[str, ...],
-                      meta: str | None = None, *, tmp_suffix: str = ".tmp", keep_extra: bool = True) -> int:
-    """One sample in trainer `layout`'s own file format (see SampleFileWriter), written to a temp name,
-    fsynced and renamed; `states` [n, S, H] ordered as `names`. `keep_extra` also stores the
-    final state the trainer does not read. Returns the file's size."""
-    import torch
-
-    n = len(input_ids)
-    at = {x: i for i, x in enumerate(names)}
-    need = {"specforge": "post_norm", "speculators": "pre_norm"}[layout]
-    if need not in at:
-        raise HiddenError(f"{path}: the store holds {list(names)}, but {layout} needs the {need} state: "
-                          f"rerun 04 with hidden.final_state {need!r} or 'both'")
-    aux = states[:, : len(AUX_NAMES)]
-    tmp = path.with_name(path.name + tmp_suffix)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if layout == "specforge":
-        obj: dict[str, Any] = {"input_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
-                               "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long).clone(),
-                               "hidden_state": states[:, at["post_norm"]].contiguous().clone()[None],
-                               "aux_hidden_state": aux.reshape(n, -1).contiguous().clone()[None]}
-        if keep_extra and "pre_norm" in at:
-            obj["pre_norm"] = states[:, at["pre_norm"]].contiguous().clone()[None]
-        if meta is not None:
-            obj["eagle3data"] = meta
-        torch.save(obj, str(tmp))
-    else:
-        from safetensors.torch import save_file
-
-        i = at["pre_norm"]
-        tensors = {"hidden_states": torch.cat([aux, states[:, i : i + 1]], 1).contiguous(),
-                   "token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
-                   "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8).clone()}
-        if keep_extra and "post_norm" in at:
-            tensors["post_norm"] = states[:, at["post_norm"]].contiguous().clone()
-        save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path.stat().st_size
+def open_writer(hdir: Path, rank: int, layout: str, shard_bytes: int,
+                info: dict[str, Any]) -> ShardWriter | SampleFileWriter:
+    """The writer of one worker's files in `layout`: shards up to `shard_bytes`, or a trainer's per-sample files."""
+    if layout == "shards":
+        return ShardWriter(hdir, rank, shard_bytes, info)
+    return SampleFileWriter(hdir, rank, layout, info)
 
 
-def read_sample_file(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
-    """`hidden_states` [n, S, H] in the store's state order, `input_ids` int32, `loss_mask` uint8 of a per-sample file."""
-    import torch
+# ---------------------------------------------------------------------------- index
 
-    path = Path(path)
-    if path.suffix == ".ckpt":
-        raw = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-        n = raw["input_ids"].shape[-1]
-        parts = {"post_norm": raw["hidden_state"][0], "pre_norm": raw["pre_norm"][0] if "pre_norm" in raw else None}
-        aux = raw["aux_hidden_state"][0].reshape(n, len(AUX_NAMES), -1)
-        ids, mask = raw["input_ids"], raw["loss_mask"]
-    else:
-        from safetensors.torch import load_file
 
-        raw = load_file(str(path))
-        hs = raw["hidden_states"]
-        aux = hs[:, : len(AUX_NAMES)]
-        parts = {"pre_norm": hs[:, len(AUX_NAMES)], "post_norm": raw.get("post_norm")}
-        ids, mask = raw["token_ids"], raw["loss_mask"]
-    finals = [parts[x] for x in names[len(AUX_NAMES):]]
-    if any(t is None for t in finals):
-        raise HiddenError(f"{path}: lacks one of the states {list(names)} its store records")
-    hs = torch.cat([aux] + [t[:, None] for t in finals], dim=1)
-    return {"hidden_states": hs, "input_ids": ids.to(torch.int32), "loss_mask": mask.to(torch.uint8)}
+def index_rows(scan: ShardScan, samples: Sequence[Sample]) -> tuple[list[dict[str, Any]], list[str], int, int]:
+    """The index rows of the mix `samples` found in the stored files, in mix order: (rows, missing keys,
+    duplicates, stale).
+
+    Each mix sample appears once (a sample found in two files, e.g. after the world size
+    changed mid-run, is indexed from the first file by name and counted as a duplicate); stored
+    samples no longer in the mix are left out and counted as stale.
+    """
+    want = {s.key: i for i, s in enumerate(samples)}
+    rows: dict[str, dict[str, Any]] = {}
+    duplicates = stale = 0
+    for shard, entries in sorted(scan.shards.items()):
+        for e in entries:
+            k = SampleKey.of(e)
+            if k not in want:
+                stale += 1
+                continue
+            if k in rows:
+                duplicates += 1
+                continue
+            rows[k] = {**e, "key": str(k), "turn": k.turn, "position": want[k], "shard": shard}
+    missing = [str(k) for k in want if k not in rows]
+    return sorted(rows.values(), key=lambda r: r["position"]), missing, duplicates, stale
+
+
+def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: dict[str, Any],
+                extra: dict[str, Any]) -> Any:
+    """Write `index.parquet` (these rows) and `index.json` atomically; return the index frame.
+
+    `run`: what was stored (model, profile, layers, states, final_state, layout, hidden_size,
+    dtype); `index.json` is `run`, the index's sizes and files, then `extra` (too long,
+    missing, duplicates, stale, the mix's fingerprint).
+    """
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    df = pd.DataFrame(rows, columns=INDEX_COLUMNS)
+    df = df.astype({"turn": "Int32", "position": "int64", "offset": "int64", "length": "int64",
+                    "loss_tokens": "int64"})
+    tag = tmp_tag()
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(hdir / INDEX_FILE) + tag)
+    os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)
+    info = {
+        **run, "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
+        "bytes_per_token": bytes_per_token(run["hidden_size"], run["dtype"], len(run["states"]), run["layout"]),
+        "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
+        **extra,
+    }
+    (hdir / (INFO_FILE + tag)).write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+    os.replace(hdir / (INFO_FILE + tag), hdir / INFO_FILE)
+    return df
 
 
 # ---------------------------------------------------------------------------- reader
@@ -378,8 +378,12 @@ class HiddenReader:
         self.index: pd.DataFrame = pd.read_parquet(self.dir / INDEX_FILE)
         self.info: dict[str, Any] = orjson.loads((self.dir / INFO_FILE).read_bytes())
         self._rows = {str(k): i for i, k in enumerate(index_keys(self.index))}
-        self.states: tuple[str, ...] = tuple(self.info.get("states") or ("aux_low", "aux_mid", "aux_high", "final_norm"))
+        self.states: tuple[str, ...] = tuple(self.info.get("states") or OLD_STATES)
         self.layout: str = self.info.get("layout", "shards")
+
+    def row(self, key: str | SampleKey) -> int | None:
+        """The row number (mix order) of a stored sample's key, or None when it is not stored."""
+        return self._rows.get(str(key))
 
     def path(self, which: int | str) -> Path:
         """The file holding one sample (a shard, or the sample's own file)."""
@@ -393,6 +397,18 @@ class HiddenReader:
         """`dataset/sample_id` of each stored sample, in mix order."""
         return list(self._rows)
 
+    def _read_file(self, path: Path) -> dict[str, Any]:
+        """A per-sample file's states in the store's order, `input_ids` int32, `loss_mask` uint8."""
+        import torch
+
+        got = get_trainer(self.layout).read_sample(path)
+        finals = [got["finals"].get(x) for x in self.states[len(AUX_NAMES):]]
+        if any(t is None for t in finals):
+            raise HiddenError(f"{path}: lacks one of the states {list(self.states)} its store records")
+        hs = torch.cat([got["aux"]] + [t[:, None] for t in finals], dim=1)
+        return {"hidden_states": hs, "input_ids": got["input_ids"].to(torch.int32),
+                "loss_mask": got["loss_mask"].to(torch.uint8)}
+
     def sample(self, which: int | str | SampleKey) -> dict[str, Any]:
         """One sample by row number (mix order) or by key (`SampleKey` or `dataset/sample_id`); reads only its bytes."""
         from safetensors import safe_open
@@ -401,10 +417,21 @@ class HiddenReader:
         row = self.index.iloc[i]
         a, n = int(row["offset"]), int(row["length"])
         if self.layout != "shards":
-            return {**row.to_dict(), **read_sample_file(self.dir / row["shard"], self.states)}
+            return {**row.to_dict(), **self._read_file(self.dir / row["shard"])}
         with safe_open(str(self.dir / row["shard"]), framework="pt") as f:
             out = {name: f.get_slice(name)[a : a + n] for name in ("hidden_states", "input_ids", "loss_mask")}
         return {**row.to_dict(), **out}
+
+    def stored_ids(self, which: int) -> tuple[list[int], list[int]]:
+        """Input ids and loss mask of one sample as stored, reading only those tensors."""
+        if self.layout != "shards":
+            return get_trainer(self.layout).read_ids(self.path(which))
+        from safetensors import safe_open
+
+        row = self.index.iloc[int(which)]
+        a, n = int(row["offset"]), int(row["length"])
+        with safe_open(str(self.dir / row["shard"]), framework="pt") as f:
+            return f.get_slice("input_ids")[a : a + n].tolist(), f.get_slice("loss_mask")[a : a + n].tolist()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Every sample, shard by shard (each shard read once, sequentially)."""
@@ -495,124 +522,3 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
                          "detail": f"{seen} stored samples, {len(mix.samples)} in the mix: the index must hold "
                                    "exactly the mix's keys in mix order"})
     return Validation(seen, tokens, problems, len(mix.samples), too_long)
-
-
-# ---------------------------------------------------------------------------- estimate
-
-
-@dataclass
-class Estimate:
-    """What a run will write and how long it will take, checked against the free disk."""
-
-    samples: int
-    tokens: int
-    hidden_size: int
-    bytes_per_token: int
-    bytes: int
-    free_bytes: int
-    margin: float
-    probe_tokens: int = 0
-    probe_seconds: float = 0.0
-    layout: str = "shards"
-    final_state: str = "both"
-    dtype: str = "bfloat16"
-    store_tokens: int | None = None  # tokens of the whole store (done + to do), for the hand-off figures
-    turns: dict[str, int] | None = None  # the mix's turn figures (`mix.turn_figures`, the whole mix), or None
-
-    def turn_cost(self) -> dict[str, Any] | None:
-        """What per-turn sequences cost in the whole mix (None when it holds no turn records).
-
-        A turn's prompt is the conversation so far, so its sequence starts with (most of) the earlier
-        turns' sequences: `repeated_prefix_tokens` are positions stored again, the same states (a
-        state depends only on the tokens up to it); `last_turn_*` is what `hidden.train_turns: last`
-        would store instead (each conversation's highest turn in the mix).
-        """
-        t = self.turns
-        if not t or not t.get("turn_samples"):
-            return None
-        return {**t, "repeated_prefix_bytes": t["repeated_prefix_tokens"] * self.bytes_per_token,
-                "turn_bytes": t["tokens"] * self.bytes_per_token,
-                "last_turn_bytes": t["last_turn_tokens"] * self.bytes_per_token,
-                "repeated_share": t["repeated_prefix_tokens"] / t["tokens"] if t["tokens"] else 0.0}
-
-    def handoff(self) -> dict[str, int | None]:
-        """Bytes the 05 hand-off to each trainer adds on top of the store (None: the store lacks its final state)."""
-        tokens = self.tokens if self.store_tokens is None else self.store_tokens
-        out: dict[str, int | None] = {}
-        for fmt in ("specforge", "speculators"):
-            b = handoff_bytes_per_token(fmt, self.layout, self.final_state, self.hidden_size, self.dtype)
-            out[fmt] = None if b is None else b * tokens
-        return out
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.probe_tokens / self.probe_seconds if self.probe_seconds > 0 else None
-
-    @property
-    def seconds(self) -> float | None:
-        tps = self.tokens_per_s
-        return self.tokens / tps if tps else None
-
-    @property
-    def fits(self) -> bool:
-        return self.free_bytes >= self.bytes * self.margin
-
-    def table(self):
-        """The estimate as a one-column table for the notebook."""
-        import pandas as pd
-
-        rows = {
-            "samples to extract": self.samples,
-            "tokens to extract": self.tokens,
-            "layout": self.layout,
-            "states per token": ", ".join(state_names(self.final_state)),
-            "bytes per token (states x hidden x dtype + id + mask)": self.bytes_per_token,
-            "estimated size (GB)": round(self.bytes / 1e9, 4),
-            "free disk (GB)": round(self.free_bytes / 1e9, 1),
-            "fits (with margin)": self.fits,
-        }
-        for fmt, b in self.handoff().items():
-            how = ("impossible: the store lacks its final state" if b is None
-                   else "hardlinks 04's files (same filesystem)" if b == 0 else "converts: a full second copy")
-            rows[f"05 hand-off to {fmt} (extra GB)"] = None if b is None else round(b / 1e9, 4)
-            rows[f"05 hand-off to {fmt}"] = how
-        tc = self.turn_cost()
-        if tc is not None:
-            rows |= {
-                "turn records in the mix (conversations)": f"{tc['turn_samples']:,} ({tc['conversations']:,})",
-                "turn records: tokens (GB)": f"{tc['tokens']:,} ({tc['turn_bytes'] / 1e9:.4f})",
-                "turn prefixes stored again: tokens (GB, share)": (
-                    f"{tc['repeated_prefix_tokens']:,} ({tc['repeated_prefix_bytes'] / 1e9:.4f}, "
-                    f"{tc['repeated_share']:.1%} of the turn tokens)"),
-                "with hidden.train_turns: last: sequences, tokens (GB)": (
-                    f"{tc['last_turn_samples']:,}, {tc['last_turn_tokens']:,} ({tc['last_turn_bytes'] / 1e9:.4f})"),
-            }
-        rows |= {
-            "probe tokens/s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
-            "estimated time (min)": None if self.seconds is None else round(self.seconds / 60, 2),
-        }
-        return pd.DataFrame({"value": pd.Series(rows, dtype=object)})
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"samples": self.samples, "tokens": self.tokens, "bytes": self.bytes,
-                "bytes_per_token": self.bytes_per_token, "free_bytes": self.free_bytes, "fits": self.fits,
-                "probe_tokens_per_s": self.tokens_per_s, "estimated_seconds": self.seconds,
-                "layout": self.layout, "states": list(state_names(self.final_state)),
-                "handoff_extra_bytes": self.handoff(), "turns": self.turn_cost()}
-
-
-def check_disk(est: Estimate, where: Path) -> None:
-    """Refuse to start when the disk cannot hold the estimated bytes (times the margin)."""
-    if not est.fits:
-        raise HiddenError(
-            f"not enough disk at {where}: 04 needs about {est.bytes / 1e9:.2f} GB "
-            f"(x{est.margin} margin = {est.bytes * est.margin / 1e9:.2f} GB) but {est.free_bytes / 1e9:.2f} GB "
-            "are free. Free space, point hidden.out_dir at a larger disk, or lower hidden.dataset_caps."
-        )
-
-
-def _free_bytes(path: Path) -> int:
-    p = path
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free

@@ -34,13 +34,18 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import orjson
 
-from eagle3data.core.profiles import Profile
+from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.stats import calibrated_offset, wilson_interval
 
 from eagle3data.rebuild.assemble import ApiTurn
 from eagle3data.rebuild.proof import FLAGS, PROOF_LEVELS, PROOF_RANK, PROOF_MEANING, Rebuilt
 from eagle3data.rebuild.text import first_diff, rebuild_batch
 from eagle3data.rebuild.provider_tokens import fast_backend
+from eagle3data.core.models import tokenizer_for
+from eagle3data.core.provenance import write_provenance
+from eagle3data.core.reader import read_run
+from eagle3data.core.spans import output_texts_batch
+from eagle3data.prompts.load import Prompt, messages_for_template
 
 
 # ---------------------------------------------------------------- exact records as an API would return them
@@ -48,8 +53,6 @@ from eagle3data.rebuild.provider_tokens import fast_backend
 
 def turns_from_exact(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Profile) -> list[ApiTurn]:
     """API-style turns (text only) of records with exact ids: the one split (`spans.output_texts_batch`)."""
-    from eagle3data.core.spans import output_texts_batch
-
     texts = output_texts_batch([r["output_ids"] for r in records], profile, tokenizer)
     return [ApiTurn(reasoning=t.reasoning, content=t.content, tool_calls=t.tool_calls,
                     finish_reason=r["finish_reason"], prompt_ids=r.get("prompt_ids"),
@@ -128,8 +131,6 @@ def measure_drift(records: Sequence[dict[str, Any]], tokenizer: Any, profile: Pr
 
 def _prompt_ids_for(recs: list[dict[str, Any]], tokenizer: Any, profile: Profile) -> list[list[int] | None]:
     """Prompt ids of API records; missing ones are templated (rendered per record, encoded in one batch)."""
-    from eagle3data.prompts.load import Prompt, messages_for_template
-
     need = [i for i, r in enumerate(recs) if r.get("prompt_ids") is None and r.get("messages")]
     out: list[list[int] | None] = [r.get("prompt_ids") for r in recs]
     if need:
@@ -380,11 +381,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -> ReconstructResult:
     """Stage 02 on a run: rebuild API records beside the journal, measure drift on exact records."""
     from tqdm.auto import tqdm
-
-    from eagle3data.core.models import tokenizer_for
-    from eagle3data.core.profiles import get_profile
-    from eagle3data.core.provenance import write_provenance
-    from eagle3data.core.reader import read_run
 
     t0 = time.perf_counter()
     rp = params.reconstruct

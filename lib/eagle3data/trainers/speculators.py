@@ -1,0 +1,110 @@
+"""speculators (0.9.0): pre-norm final state, `hidden_states/hs_<i>.safetensors`, a `datasets` folder, `d2t-<N>.npy`.
+
+Checked against the released code: `speculators train --data-path DIR` reads
+`speculators.train.data.ArrowDataset(datapath=DIR)`: a `datasets` `save_to_disk` folder with
+`input_ids`, `loss_mask`, `seq_len` in torch format, and `hidden_states/hs_<row>.safetensors`
+holding `hidden_states` [n, 4, H] (3 aux + the **pre-norm** last-layer output: speculators
+applies the verifier's norm itself) and `token_ids` int64 [n] (row i <-> file i); 04's
+per-sample file (layout `speculators`) is that file, plus `loss_mask` uint8 [n], `post_norm`
+[n, H] when stored and its `eagle3data` description. Its training CLI discovers
+`d2t-<N>.npy` / `t2d-<N>.npy` in the data folder for `--draft-vocab-size N`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from eagle3data.trainers.base import AUX_STATES, Trainer, commit
+
+HS_DIR = "hidden_states"  # the per-sample files, under the dataset folder
+
+
+class Speculators(Trainer):
+    """vllm speculators' EAGLE-3: 3 aux + pre-norm states in one tensor, token ids int64."""
+
+    name = "speculators"
+    final_state = "pre_norm"
+    sample_suffix = ".safetensors"
+    id_mask_bytes = 8 + 1  # token_ids int64, loss_mask uint8
+    handoff_dir = HS_DIR
+    export_files = ("data.parquet",)
+
+    def handoff_name(self, row: int) -> str:
+        return f"hs_{row}.safetensors"
+
+    def write_sample(self, path: Path, input_ids: Any, loss_mask: Any, aux: Any, finals: dict[str, Any],
+                     meta: str | None = None, *, tmp_suffix: str = ".tmp") -> int:
+        import torch
+        from safetensors.torch import save_file
+
+        tmp = path.with_name(path.name + tmp_suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"hidden_states": torch.cat([aux, finals["pre_norm"][:, None]], 1).contiguous(),
+                   "token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
+                   "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8).clone()}
+        if "post_norm" in finals:
+            tensors["post_norm"] = finals["post_norm"].contiguous().clone()
+        save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
+        return commit(tmp, path)
+
+    def read_sample(self, path: Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        raw = load_file(str(path))
+        hs = raw["hidden_states"]
+        finals = {"pre_norm": hs[:, AUX_STATES]}
+        if "post_norm" in raw:
+            finals["post_norm"] = raw["post_norm"]
+        return {"input_ids": raw["token_ids"], "loss_mask": raw["loss_mask"], "aux": hs[:, :AUX_STATES],
+                "finals": finals}
+
+    def read_ids(self, path: Path) -> tuple[list[int], list[int]]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor("token_ids").tolist(), f.get_tensor("loss_mask").tolist()
+
+    def read_meta(self, path: Path) -> str | None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("eagle3data")
+
+    def write_export_vocab(self, out: Path, d2t: Any, t2d: Any, counts: Any) -> dict[str, str]:
+        import numpy as np
+        import torch
+
+        nz = np.flatnonzero(counts)
+        torch.save({int(i): int(counts[i]) for i in nz}, out / "token_freq.pt")
+        np.save(out / "d2t.npy", d2t)
+        np.save(out / "t2d.npy", t2d)
+        return {"token_freq.pt": "torch dict {token_id: count} of output tokens (loss_mask 1)",
+                "d2t.npy": "draft-to-target offsets, int64", "t2d.npy": "target-in-draft membership, bool"}
+
+    def write_handoff_files(self, out: Path, samples: Sequence[Any], d2t: Any, t2d: Any, params: Any,
+                            model_dir: Callable[[], Path | None]) -> tuple[dict[str, str], dict[str, Any]]:
+        import numpy as np
+
+        _write_dataset(samples, out)
+        n = len(d2t)
+        np.save(out / f"d2t-{n}.npy", np.ascontiguousarray(d2t, dtype=np.int64))
+        np.save(out / f"t2d-{n}.npy", np.ascontiguousarray(t2d, dtype=bool))
+        files = {"data-*.arrow, dataset_info.json, state.json":
+                 "datasets save_to_disk: input_ids, loss_mask, seq_len (torch)",
+                 HS_DIR + "/": "hs_<row>.safetensors: hidden_states [n,4,H] (3 aux + pre-norm), token_ids int64 [n]",
+                 f"d2t-{n}.npy, t2d-{n}.npy": "draft vocabulary, found by --draft-vocab-size " + str(n)}
+        return files, {}
+
+
+def _write_dataset(samples: Sequence[Any], out: Path) -> None:
+    """The `datasets` folder speculators' ArrowDataset loads: input_ids, loss_mask, seq_len in torch format."""
+    from datasets import Dataset, Features, Sequence as Seq, Value
+
+    feats = Features({"input_ids": Seq(Value("int64")), "loss_mask": Seq(Value("int64")), "seq_len": Value("int64")})
+    ds = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids)) for s in samples],
+                            "loss_mask": [list(map(int, s.loss_mask)) for s in samples],
+                            "seq_len": [len(s.input_ids) for s in samples]}, features=feats)
+    for old in out.glob("data-*.arrow"):
+        old.unlink()
+    ds.with_format("torch").save_to_disk(str(out))
