@@ -361,40 +361,29 @@ def audit_cli(records: str, *, profile: str | None, out: str, tokenizer: str | N
     The profile comes from the records when not given; the tokenizer checks run with `--tokenizer`
     or the run's own tokenizer (from its recorded params), and the output says which or why not.
     Exit status: 0 when no record failed, 1 when some did (a CI gate; `--allow-failed` exits 0),
-    2 when the input cannot be read.
+    2 when the input cannot be read (raised: `cli.main` says it in one line).
     """
-    import sys
 
     path = Path(records)
     paths = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     run_dir = path.parent if path.is_dir() else path.parent.parent
-    try:
-        if not paths:
-            raise AuditInputError(f"{path}: no *.jsonl journals in this folder")
-        tables = [read_journal(p, source_fields=True) for p in paths]
-        table = concat_tables(tables)
-        if table.bad_lines:
-            raise AuditInputError("unreadable lines:\n  " + "\n  ".join(table.bad_lines[:20]))
-        if len(table) == 0:
-            raise AuditInputError(f"{path}: no records")
-        named = sorted({str(p) for p in table.meta["profile"].dropna().unique()})
-        if profile is None:
-            if len(named) != 1:
-                raise AuditInputError(f"{path}: the records name {'no profile' if not named else 'profiles ' + ', '.join(named)}: "
-                                      "pass --profile NAME")
-            profile = named[0]
-        prof = get_profile(profile)
-        table = merge_reconstruct(table, run_dir)
-        tok, why = _cli_tokenizer(tokenizer, run_dir, prof)
-    except KeyError as e:
-        print(f"audit: {e.args[0]}", file=sys.stderr)
-        return 2
-    except (AuditInputError, OSError) as e:
-        print(f"audit: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # a profile/tokenizer mismatch and the like
-        print(f"audit: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
-        return 2
+    if not paths:
+        raise AuditInputError(f"{path}: no *.jsonl journals in this folder")
+    tables = [read_journal(p, source_fields=True) for p in paths]
+    table = concat_tables(tables)
+    if table.bad_lines:
+        raise AuditInputError("unreadable lines:\n  " + "\n  ".join(table.bad_lines[:20]))
+    if len(table) == 0:
+        raise AuditInputError(f"{path}: no records")
+    named = sorted({str(p) for p in table.meta["profile"].dropna().unique()})
+    if profile is None:
+        if len(named) != 1:
+            raise AuditInputError(f"{path}: the records name {'no profile' if not named else 'profiles ' + ', '.join(named)}: "
+                                  "pass --profile NAME")
+        profile = named[0]
+    prof = get_profile(profile)
+    table = merge_reconstruct(table, run_dir)
+    tok, why = _cli_tokenizer(tokenizer, run_dir, prof)
     result = audit_table(table, prof, tokenizer=tok)
     vp, sp = result.write(out)
     s = result.summary()
