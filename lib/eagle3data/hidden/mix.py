@@ -29,7 +29,7 @@ from eagle3data.core.params import RunParams
 from eagle3data.core.reader import RunFileError, RunView, Sample, SampleKey, read_run
 from eagle3data.rebuild.proof import PROOF_RANK
 
-__all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "build_mix", "hidden_dir",
+__all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "MixMissing", "build_mix", "hidden_dir",
            "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]
 
 MIX_FILE = "mix.parquet"
@@ -62,6 +62,10 @@ class MixError(RunFileError):
     def missing(cls, path: Path, line: int, fields: list[str]) -> MixError:
         """The mix's wording: the first missing field, in backticks."""
         return cls(f"{path}:{line}: missing field `{fields[0]}`", path=path, line=line, fields=tuple(fields))
+
+
+class MixMissing(MixError, FileNotFoundError):
+    """04 has not written the mix this needs (a user error: one line, exit 2)."""
 
 
 def hidden_dir(params: RunParams) -> Path:
@@ -435,7 +439,7 @@ def read_mix(out_dir: str | Path) -> Mix:
     out_dir = Path(out_dir)
     path = out_dir / MIX_FILE
     if not path.exists():
-        raise FileNotFoundError(f"no training mix at {path}: build it first (mix.build_mix)")
+        raise MixMissing(f"no training mix at {path}: run 04 first (eagle3data run PARAMS --only 04)")
     t = pq.read_table(path).to_pydict()
     turns = t.get("turn") or [None] * len(t["dataset"])
     samples = [Sample(d, sid, src, ex, None, ids, mask, turn=tn) for d, sid, tn, src, ex, ids, mask in

@@ -40,6 +40,10 @@ class HiddenError(UserInputError, RuntimeError):
     """04 cannot run or cannot trust what it wrote; the message says what to do."""
 
 
+class HiddenMissing(HiddenError, FileNotFoundError):
+    """No hidden-state store (index) where one is needed (a user error: one line, exit 2)."""
+
+
 SHARD_DIR = "shards"
 SAMPLE_DIR = "samples"
 SHARD_SUFFIX = ".safetensors"
@@ -374,7 +378,8 @@ class HiddenReader:
 
         self.dir = Path(path)
         if not (self.dir / INDEX_FILE).exists():
-            raise FileNotFoundError(f"no index at {self.dir / INDEX_FILE}: run 04 (or merge_index) first")
+            raise HiddenMissing(f"no index at {self.dir / INDEX_FILE}: run 04 first (eagle3data run PARAMS --only 04, "
+                                "or eagle3data extract PARAMS --merge-only when every worker finished)")
         self.index: pd.DataFrame = pd.read_parquet(self.dir / INDEX_FILE)
         self.info: dict[str, Any] = orjson.loads((self.dir / INFO_FILE).read_bytes())
         self._rows = {str(k): i for i, k in enumerate(index_keys(self.index))}
