@@ -82,7 +82,7 @@ def test_sample_key_is_made_from_its_row_only():
     # a table row (pandas: a NaN turn in a column that holds turns elsewhere is no turn), a Sample, a key
     frame = pd.DataFrame({"dataset": ["d", "d"], "sample_id": ["5", "6"], "turn": [1, None]})
     assert [str(SampleKey.of(r)) for _, r in frame.iterrows()] == ["d/5#1", "d/6"]
-    assert SampleKey.of_columns(frame["dataset"], frame["sample_id"], frame["turn"]) == ["d/5#1", "d/6"]
+    assert SampleKey.of_frame(frame) == ["d/5#1", "d/6"]
     assert SampleKey.of(resolve(_rec("d", 5, prompt=(1,), output=(2,)) | {"turn": 3}, {})) == "d/5#3"
     with pytest.raises(KeyError, match="sample_id"):
         SampleKey.of({"dataset": "d"})

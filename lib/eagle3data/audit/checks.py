@@ -17,10 +17,9 @@ import orjson
 import pandas as pd
 
 from eagle3data.audit.idtable import IdTable
-from eagle3data.audit.runtable import meta_keys
 from eagle3data.core.profiles import Profile
 from eagle3data.core.params import ReconstructParams
-from eagle3data.core.reader import supersede_rule
+from eagle3data.core.reader import SampleKey, supersede_rule
 from eagle3data.core.spans import output_texts
 from eagle3data.core.stats import calibrated_offset
 from eagle3data.generate.turns import assistant_message
@@ -377,7 +376,7 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
     if "duplicate" in meta:
         dup = meta["duplicate"].to_numpy(dtype=bool)
     else:
-        keys = meta_keys(meta)
+        keys = SampleKey.of_frame(meta)
         is_record, d = supersede_rule(keys, meta["finish_reason"].tolist())
         done = meta["finish_reason"].isin(["stop", "length"]).to_numpy()
         dup = np.asarray(d, bool) | (~np.asarray(is_record, bool) & done)

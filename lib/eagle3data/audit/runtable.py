@@ -3,8 +3,8 @@
 `load_run` reads every journal of a run (`idtable.read_journal`) and joins the tables
 (`concat_tables`); `merge_reconstruct` fills the ids of API records from 02's
 `reconstruct/<dataset>.jsonl` with each record's proof level; `split_superseded` keeps the
-one record per key that `reader.supersede_rule` chooses (keys by `SampleKey.of_columns`,
-`meta_keys`) and lists the superseded lines; `take_records` is a table of some rows only.
+one record per key that `reader.supersede_rule` chooses (keys by `SampleKey.of_frame`) and
+lists the superseded lines; `take_records` is a table of some rows only.
 """
 
 from __future__ import annotations
@@ -81,9 +81,8 @@ def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
     outs = [table.output_ids(i) for i in range(len(table))]
     prompts = [table.prompt_ids(i) for i in range(len(table))]
     has_o, has_p = table.has_output.copy(), table.has_prompt.copy()
-    keys = SampleKey.of_columns(meta["dataset"], meta["sample_id"], meta["turn"] if "turn" in meta else None)
-    for i in need:
-        o = rebuilt.get(keys[i])
+    for i, key in zip(need, SampleKey.of_frame(meta.iloc[need])):  # keys of the rows that need ids only
+        o = rebuilt.get(key)
         if o is None or not isinstance(o.get("output_ids"), list):
             continue
         outs[i] = np.asarray(o["output_ids"], dtype=np.int64)
@@ -120,11 +119,6 @@ def take_records(table: IdTable, rows: np.ndarray) -> IdTable:
     return t
 
 
-def meta_keys(meta: pd.DataFrame) -> list[SampleKey]:
-    """Each row's key (`SampleKey.of` the row, its turn included: each turn is its own sample)."""
-    return SampleKey.of_columns(meta["dataset"], meta["sample_id"], meta["turn"] if "turn" in meta else None)
-
-
 def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
     """(the records: one row per key by `reader.supersede_rule`, with meta column `duplicate`; the superseded lines).
 
@@ -132,7 +126,7 @@ def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
     line) and the line of the record that replaced it (`record_line`).
     """
     m = table.meta
-    keys = meta_keys(m)
+    keys = SampleKey.of_frame(m)
     is_record, dup = supersede_rule(keys, m["finish_reason"].tolist())
     rec_rows = np.flatnonzero(np.asarray(is_record, bool))
     old_rows = np.flatnonzero(~np.asarray(is_record, bool))

@@ -52,7 +52,7 @@ class SampleKey(str):
 
     @classmethod
     def _make(cls, dataset: str, sample_id: str, turn: int | None) -> SampleKey:
-        k = str.__new__(cls, key_text(dataset, sample_id, turn))
+        k = str.__new__(cls, f"{dataset}/{sample_id}" if turn is None else f"{dataset}/{sample_id}#{turn}")
         k.dataset, k.sample_id, k.turn = dataset, sample_id, turn
         return k
 
@@ -77,12 +77,13 @@ class SampleKey(str):
         return cls._make(str(ds), str(sid), _turn(turn))
 
     @classmethod
-    def of_columns(cls, dataset: Iterable[Any], sample_id: Iterable[Any],
-                   turn: Iterable[Any] | None = None) -> list[SampleKey]:
-        """The keys of a table's rows, column by column (the same rule as `of`, row by row)."""
-        if turn is None:
-            return [cls._make(str(d), str(s), None) for d, s in zip(dataset, sample_id)]
-        return [cls._make(str(d), str(s), _turn(t)) for d, s, t in zip(dataset, sample_id, turn)]
+    def of_frame(cls, frame: Any) -> list[SampleKey]:
+        """The key of each row of a table (a DataFrame, or a dict of columns, with `dataset`,
+        `sample_id` and `turn` when it has one), in row order: `of`'s rule, column by column."""
+        turns = frame["turn"] if "turn" in frame else None
+        if turns is None:
+            return [cls._make(str(d), str(s), None) for d, s in zip(frame["dataset"], frame["sample_id"])]
+        return [cls._make(str(d), str(s), _turn(t)) for d, s, t in zip(frame["dataset"], frame["sample_id"], turns)]
 
 
 def _turn(t: Any) -> int | None:
@@ -93,11 +94,6 @@ def _turn(t: Any) -> int | None:
         return None if t != t else int(t)
     except TypeError:  # pandas.NA: its comparisons are NA, whose truth is refused
         return None
-
-
-def key_text(dataset: str, sample_id: str, turn: int | None) -> str:
-    """The spelling of a key (`SampleKey.of` makes it; kept apart so tables can compare texts in bulk)."""
-    return f"{dataset}/{sample_id}" if turn is None else f"{dataset}/{sample_id}#{int(turn)}"
 
 
 class RunFileError(UserInputError, ValueError):

@@ -35,7 +35,7 @@ from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
 from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
-from eagle3data.hidden.store import INDEX_FILE, index_keys
+from eagle3data.hidden.store import INDEX_FILE
 
 FORMATS: tuple[str, ...] = tuple(TRAINERS)
 META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")
@@ -127,7 +127,7 @@ def _check_index(hdir: Path, mix: Any) -> None:
     path = hdir / INDEX_FILE
     if not path.exists():
         return
-    stored = [str(k) for k in index_keys(pq.read_table(path).to_pandas())]
+    stored = [str(k) for k in SampleKey.of_frame(pq.read_table(path).to_pandas())]
     want = [str(s.key) for s in mix.samples]
     if stored != want:
         first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))

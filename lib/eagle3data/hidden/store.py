@@ -128,11 +128,6 @@ def index_entry(s: Sample, position: int, offset: int) -> dict[str, Any]:
             "loss_tokens": int(sum(s.loss_mask))}
 
 
-def index_keys(index: Any) -> list[SampleKey]:
-    """The key of each row of a hidden-state index frame (in its order)."""
-    return SampleKey.of_columns(index["dataset"], index["sample_id"], index["turn"] if "turn" in index else None)
-
-
 def read_shard_meta(path: Path) -> dict[str, Any]:
     """A shard's (or per-sample file's) own description (samples with offset and length, layers, states, dtype)."""
     path = Path(path)
@@ -382,7 +377,7 @@ class HiddenReader:
                                 "or eagle3data extract PARAMS --merge-only when every worker finished)")
         self.index: pd.DataFrame = pd.read_parquet(self.dir / INDEX_FILE)
         self.info: dict[str, Any] = orjson.loads((self.dir / INFO_FILE).read_bytes())
-        self._rows = {str(k): i for i, k in enumerate(index_keys(self.index))}
+        self._rows = {str(k): i for i, k in enumerate(SampleKey.of_frame(self.index))}
         self.states: tuple[str, ...] = tuple(self.info.get("states") or OLD_STATES)
         self.layout: str = self.info.get("layout", "shards")
 
