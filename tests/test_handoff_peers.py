@@ -52,23 +52,31 @@ def model(ci_run):
     return model_for(ci_run)
 
 
+# the stores both hand-offs are written from: each trainer's own layout (bf16), an 8-bit store of shards (05
+# converts it for both), and speculators' layout in hs-connectors' FP8 files (linked, read through FP8Transfer)
+STORES = {"specforge": {"hidden.layout": "specforge"},
+          "speculators": {"hidden.layout": "speculators"},
+          "int8": {"hidden.storage": "int8"},
+          "fp8": {"hidden.layout": "speculators", "hidden.storage": "fp8_e4m3", "hidden.storage_scale": "token"}}
+
+
 @pytest.fixture(scope="module")
 def stores(ci_run, model, tmp_path_factory):
-    """04 in each trainer's layout on a copy of the ci run, then both hand-offs from each store."""
+    """04 in each of `STORES` on a copy of the ci run, then both hand-offs from each store."""
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)
         mp.delenv("WORLD_SIZE", raising=False)
-        for layout in ("specforge", "speculators"):
-            root = tmp_path_factory.mktemp(layout)
+        for name, over in STORES.items():
+            root = tmp_path_factory.mktemp(name)
             shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
             p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
-                                                           "hidden.layout": layout, "export.draft_vocab_size": 64})
+                                                           "export.draft_vocab_size": 64, **over})
             res = run_extract(p, progress=False, model=model)
             assert res.merged and res.validation.ok, res.validation.table()
             mix = read_mix(res.hidden_dir)
             exp = {fmt: HO.write_handoff(p, mix.samples, p.run_dir / "export" / fmt, fmt) for fmt in HO.FORMATS}
-            out[layout] = (p, res, mix, exp)
+            out[name] = (p, res, mix, exp)
     return out
 
 
@@ -79,12 +87,13 @@ def _next_token_hits(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
     return int((pred[pick] == ids[1:][pick]).sum()), int(pick.sum())
 
 
-def test_specforge_reads_our_features_with_its_own_loader(stores, model):
+@pytest.mark.parametrize("store", ["specforge", "int8", "fp8"])
+def test_specforge_reads_our_features_with_its_own_loader(stores, model, store):
     from specforge.config.schema import load_config
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 
-    p, res, mix, exp = stores["specforge"]
+    p, res, mix, exp = stores[store]
     out = p.run_dir / "export" / "specforge"
     rd = HiddenReader(res.hidden_dir)
     at = {x: i for i, x in enumerate(rd.states)}
@@ -123,15 +132,15 @@ def test_specforge_reads_our_features_with_its_own_loader(stores, model):
     assert int(vm["t2d"].sum()) == 64 and torch.equal(torch.arange(64) + vm["d2t"], vm["t2d"].nonzero()[:, 0])
 
 
-def test_speculators_reads_our_dataset_with_its_own_loader(stores, model):
+@pytest.mark.parametrize("store", ["speculators", "int8", "fp8"])
+def test_speculators_reads_our_dataset_with_its_own_loader(stores, model, store):
     from speculators.train.cli import parse_vocab_mappings
-    from speculators.train.data import ArrowDataset
 
-    p, res, mix, exp = stores["speculators"]
+    p, res, mix, exp = stores[store]
     out = p.run_dir / "export" / "speculators"
     rd = HiddenReader(res.hidden_dir)
     at = {x: i for i, x in enumerate(rd.states)}
-    ds = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    ds = _speculators_dataset(out, exp["speculators"])
     assert len(ds) == len(mix.samples) == 4
     assert ds.approx_lengths == [len(s.input_ids) for s in mix.samples]
     hits = total = twice = 0
@@ -163,8 +172,24 @@ def test_speculators_reads_our_dataset_with_its_own_loader(stores, model):
     assert torch.equal(torch.arange(64) + d2t, t2d.nonzero()[:, 0])
 
 
+def _speculators_dataset(out: Path, manifest: dict):
+    """speculators' ArrowDataset on a hand-off, through the transfer its manifest names (FP8 files: FP8Transfer,
+    what `--hidden-states-backend fp8` picks; else its default)."""
+    from hs_connectors import FP8Transfer
+    from speculators.train.data import ArrowDataset
+
+    fp8 = manifest.get("hidden_states_backend") == "fp8"
+    transfer = FP8Transfer(out / "hidden_states") if fp8 else None
+    return ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise", transfer=transfer)
+
+
 def test_the_matching_layout_is_hardlinked_not_copied(stores):
-    for layout, (p, res, mix, exp) in stores.items():
+    for name, (p, res, mix, exp) in stores.items():
+        layout = p.hidden.layout
+        if layout == "shards":
+            assert all(exp[f]["plan"]["mode"] == "convert" for f in HO.FORMATS)
+            assert all("the store is 8-bit" in exp[f]["plan"]["reason"] for f in HO.FORMATS)
+            continue
         rd = HiddenReader(res.hidden_dir)
         m = exp[layout]
         assert m["plan"]["mode"] == "link" and m["linked_files"] == 4 and m["converted_bytes"] == 0
@@ -179,6 +204,10 @@ def test_the_matching_layout_is_hardlinked_not_copied(stores):
         disk = HO.disk_table(res.hidden_dir, {f: p.run_dir / "export" / f for f in HO.FORMATS}).set_index("folder")
         linked = disk.filter(like=f"{layout}:", axis=0)["new_vs_hidden"].item()
         converted = disk.filter(like=f"{other}:", axis=0)["new_vs_hidden"].item()
+        if name == "fp8":  # 8-bit files linked; the other trainer gets bf16, 4 of the store's 5 states at 2 bytes
+            assert m["hidden_states_backend"] == "fp8" and m["storage"] == "fp8_e4m3/token"
+            assert linked < 0.05 < 1.0 < converted, disk
+            continue
         assert linked < 0.05 < 0.5 < converted, disk  # the copy holds 4 of the store's 5 states
 
 
@@ -448,7 +477,8 @@ def test_our_draft_config_is_the_one_specforge_generates_with_our_vocabulary_siz
     assert load_draft_config_source(str(tmp_path / "draft.json")).to_dict() == generated.to_dict()
 
 
-def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model, cpu_eager, monkeypatch):
+@pytest.mark.parametrize("store", ["specforge", "int8"])
+def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model, cpu_eager, monkeypatch, store):
     """SpecForge assembles the run from the exported config by itself (`build_model_bundle`, what `specforge
     train` calls): the draft config (ours: its generated one with our draft vocabulary size), the vocab mapping,
     the draft's frozen embedding and the target head, all read from the files the config names; then one step.
@@ -459,7 +489,7 @@ def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model
     from specforge.training.model_loading import _generate_draft_config
 
     _import_specforge_eagle3(monkeypatch)
-    p, res, mix, exp = stores["specforge"]
+    p, res, mix, exp = stores[store]
     out = p.run_dir / "export" / "specforge"
     run = _specforge_run(out, "training.attention_backend=sdpa")
     cfg = run.config
@@ -496,7 +526,8 @@ def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model
     assert moved >= {n for n in before if before[n].dim() > 1} and moved
 
 
-def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_eager):
+@pytest.mark.parametrize("store", ["speculators", "int8", "fp8"])
+def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_eager, store):
     import numpy as np
     from transformers import AutoConfig
 
@@ -505,7 +536,7 @@ def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_
 
     from eagle3data.core.models import resolve_model_path
 
-    p, res, mix, exp = stores["speculators"]
+    p, res, mix, exp = stores[store]
     out = p.run_dir / "export" / "speculators"
     mdir = str(resolve_model_path(p.model.path))
     vc = AutoConfig.from_pretrained(mdir)
@@ -514,7 +545,7 @@ def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_
     draft = Eagle3DraftModel.from_training_args(
         vc, t2d=t2d, d2t=d2t, verifier_name_or_path=mdir, draft_vocab_size=64, norm_before_residual=False,
         ttt_steps=2, draft_attn_impl="sdpa", target_layer_ids=[1, 14, 26])  # loads verifier norm + lm_head itself
-    ds = ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    ds = _speculators_dataset(out, exp["speculators"])
     i = int(np.argmin(ds.approx_lengths))
     batch = CollateFn(max_len=int(ds.approx_lengths[i]), hidden_size=vc.hidden_size, dtype=torch.float32)([ds[i]])
     kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=2, loss_fn="kl_div", loss_implementation="eager",

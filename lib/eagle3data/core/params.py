@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.profiles import PROFILES
+from eagle3data.core.quant import StateCodec, Storage
 from eagle3data.prompts.formats import FORMATS
 from eagle3data.trainers.registry import TRAINERS, get_trainer
 
@@ -297,6 +298,21 @@ class HiddenParams(Strict):
                     "instead of copying (no second copy of the hidden states).",
     )
 
+    storage: Literal["bf16", "fp8_e4m3", "int8"] = Field(
+        "bf16",
+        description="How the states are stored: `bf16` = as captured in `dtype` (no quantization), or 8 bits per "
+                    "value with fp32 scales beside them (`storage_scale`); the reader dequantizes. docs/04 gives each "
+                    "choice's measured error on the target's own predictions.",
+    )
+    storage_scale: Literal["token", "token_state", "channel_token"] = Field(
+        "channel_token",
+        description="8-bit scales: one per token over all states (hs-connectors' FP8 files), one per token and state, "
+                    "or each state's channels divided by the shard's channel absmax, then one per token and state.",
+    )
+    final_storage: Literal["same", "bf16", "fp8_e4m3", "int8"] = Field(
+        "same", description="The final state(s)' own storage (same = `storage`), e.g. bf16 final with 8-bit aux layers."
+    )
+
     @field_validator("layout")
     @classmethod
     def _known_layout(cls, v: str) -> str:
@@ -311,6 +327,27 @@ class HiddenParams(Strict):
             need = trainer.final_state
             raise ValueError(f"layout {self.layout!r} needs the {need} final state: set final_state to {need!r} or 'both'")
         return self
+
+    @model_validator(mode="after")
+    def _layout_reads_its_storage(self) -> "HiddenParams":
+        c = self.codec()
+        if not c.quantized or self.layout == "shards":
+            return self
+        native = self.layout == "speculators" and c.aux == c.final and c.aux.format == "fp8_e4m3" \
+            and c.aux.scale in ("token", "token_state")
+        if not native:
+            raise ValueError(
+                f"layout {self.layout!r} holds only what its trainer reads natively: speculators reads fp8_e4m3 with "
+                "storage_scale token or token_state for every state (hs-connectors' FP8 files); SpecForge reads bf16. "
+                "Use layout 'shards' for other 8-bit storages (05 converts them for the trainer)")
+        return self
+
+    def codec(self) -> StateCodec:
+        """The on-disk form of 04's states per token (aux layers, then the final state(s))."""
+        states = 3 + (2 if self.final_state == "both" else 1)
+        aux = Storage(self.storage, self.storage_scale)
+        final = aux if self.final_storage == "same" else Storage(self.final_storage, self.storage_scale)
+        return StateCodec(states, aux, final, self.dtype)
 
     @field_validator("dataset_caps")
     @classmethod

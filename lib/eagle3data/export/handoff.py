@@ -36,6 +36,7 @@ from eagle3data.trainers.registry import TRAINERS, get_trainer
 from eagle3data.core.models import _quiet_transformers, resolve_model_path
 from eagle3data.core.profiles import get_profile
 from eagle3data.export.vocab import build_draft_vocab, output_token_counts
+from eagle3data.hidden.estimate import codec_name
 from eagle3data.hidden.mix import hidden_dir as default_hidden_dir
 
 FORMATS = tuple(TRAINERS)  # the trainers a hand-off is written for
@@ -109,6 +110,9 @@ def plan_handoff(reader: HiddenReader, fmt: str, samples: Sequence[Any], out_dir
     else:
         why = (f"04 wrote layout {reader.layout!r}: converted to {fmt}'s files, a full second copy "
                f"(run 04 with hidden.layout {fmt!r} to hardlink instead)")
+    if reader.codec.quantized:
+        why += (f"; the store is 8-bit ({codec_name(reader.codec)}): dequantized to {info['dtype']} as written, "
+                f"since {fmt} reads only that from this store")
     return HandoffPlan(fmt, "convert", len(samples), tokens, store_bytes, tokens * bpt, _free(out_dir), margin, why)
 
 
@@ -192,7 +196,10 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
     d2t = np.ascontiguousarray(vocab.d2t, dtype=np.int64)
     t2d = np.ascontiguousarray(vocab.t2d, dtype=bool)
     files, extra = trainer.write_handoff_files(out, samples, d2t, t2d, params, lambda: _model_dir(params))
-    stat = {"linked_files": linked, "converted_files": converted, "converted_bytes": written}
+    stat = {"linked_files": linked, "converted_files": converted, "converted_bytes": written,
+            "storage": codec_name(reader.codec) if plan.mode == "link" else reader.info["dtype"]}
+    if plan.mode == "link" and reader.codec.quantized:  # hs-connectors' FP8 files (the params allow no other)
+        stat["hidden_states_backend"] = "fp8"  # speculators: train with --hidden-states-backend fp8 (FP8Transfer)
     manifest = {
         "format": fmt, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "hidden_dir": str(hdir),
         "plan": plan.as_dict(), **stat, "rows": len(rows), "tokens": plan.tokens,

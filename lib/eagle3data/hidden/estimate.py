@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3data.core.params import RunParams
+from eagle3data.core.quant import FORMATS, SCALES, StateCodec, Storage
 from eagle3data.hidden.mix import Mix, hidden_dir
-from eagle3data.hidden.store import HiddenError, bytes_per_token, state_names
+from eagle3data.hidden.store import HiddenError, bytes_per_token, id_mask_bytes, state_names
 from eagle3data.trainers.registry import TRAINERS
 
 
@@ -29,6 +30,8 @@ class Estimate:
     layout: str = "shards"
     final_state: str = "both"
     dtype: str = "bfloat16"
+    storage: str = "bf16"  # the codec's name: `bf16`, or the 8-bit format/scale of aux and final states
+    storage_bytes: dict[str, int] | None = None  # bytes per token under each storage choice (`storage_choices`)
     store_tokens: int | None = None  # tokens of the whole store (done + to do), for the hand-off figures
     turns: dict[str, int] | None = None  # the mix's turn figures (`mix.turn_figures`, the whole mix), or None
 
@@ -79,11 +82,14 @@ class Estimate:
             "tokens to extract": self.tokens,
             "layout": self.layout,
             "states per token": ", ".join(state_names(self.final_state)),
-            "bytes per token (states x hidden x dtype + id + mask)": self.bytes_per_token,
+            "storage (hidden.storage)": self.storage,
+            "bytes per token (states x hidden x dtype, or 8-bit values + scales; + id + mask)": self.bytes_per_token,
             "estimated size (GB)": round(self.bytes / 1e9, 4),
             "free disk (GB)": round(self.free_bytes / 1e9, 1),
             "fits (with margin)": self.fits,
         }
+        for name, b in (self.storage_bytes or {}).items():
+            rows[f"with storage {name}: bytes per token (GB)"] = f"{b:,} ({b * self.tokens / 1e9:.4f})"
         for fmt, b in self.handoff().items():
             how = ("impossible: the store lacks its final state" if b is None
                    else "hardlinks 04's files (same filesystem)" if b == 0 else "converts: a full second copy")
@@ -110,8 +116,26 @@ class Estimate:
         return {"samples": self.samples, "tokens": self.tokens, "bytes": self.bytes,
                 "bytes_per_token": self.bytes_per_token, "free_bytes": self.free_bytes, "fits": self.fits,
                 "probe_tokens_per_s": self.tokens_per_s, "estimated_seconds": self.seconds,
-                "layout": self.layout, "states": list(state_names(self.final_state)),
+                "layout": self.layout, "states": list(state_names(self.final_state)), "storage": self.storage,
+                "storage_bytes_per_token": self.storage_bytes,
                 "handoff_extra_bytes": self.handoff(), "turns": self.turn_cost()}
+
+
+def codec_name(codec: StateCodec) -> str:
+    """`bf16`, `int8/channel_token`, or `aux int8/token_state, final bf16` when the groups differ."""
+    if codec.aux == codec.final:
+        return codec.aux.name
+    return f"aux {codec.aux.name}, final {codec.final.name}"
+
+
+def storage_choices(hidden_size: int, states: int, dtype: str = "bfloat16") -> dict[str, int]:
+    """Bytes per token (shards: states + id + mask) under each storage a user can choose, for the estimate table."""
+    out = {}
+    for fmt in FORMATS:
+        for scale in (SCALES if fmt != "bf16" else ("token",)):
+            st = Storage(fmt, scale)
+            out[st.name] = StateCodec(states, st, st, dtype).bytes_per_token(hidden_size) + id_mask_bytes("shards")
+    return out
 
 
 def estimate_work(params: RunParams, work: Any, hidden_size: int, mix: Mix | None = None) -> Estimate:
@@ -119,10 +143,12 @@ def estimate_work(params: RunParams, work: Any, hidden_size: int, mix: Mix | Non
     (`extract.WorkPlan`; the time comes from `extract.probe`); with the mix, what its turn
     records cost (`Estimate.turn_cost`)."""
     hp = params.hidden
-    bpt = bytes_per_token(hidden_size, hp.dtype, len(state_names(hp.final_state)), hp.layout)
+    codec = hp.codec()
+    bpt = bytes_per_token(hidden_size, hp.dtype, codec.states, hp.layout, codec)
     tokens = sum(len(s.input_ids) for _, s in work.todo)
     return Estimate(len(work.todo), tokens, hidden_size, bpt, tokens * bpt, _free_bytes(hidden_dir(params)),
                     hp.disk_margin, layout=hp.layout, final_state=hp.final_state, dtype=hp.dtype,
+                    storage=codec_name(codec), storage_bytes=storage_choices(hidden_size, codec.states, hp.dtype),
                     store_tokens=sum(len(s.input_ids) for _, s in work.part),
                     turns=None if mix is None else mix.manifest.get("turns"))
 

@@ -47,6 +47,7 @@ from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix
 from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Validation, _torch_dtype, bytes_per_token,
                                      index_rows, open_writer, scan_shards, state_names, validate_store, write_index)
 from eagle3data.core.provenance import write_provenance
+from eagle3data.core.quant import StateCodec
 
 STAGE = "04_extract_hidden"
 
@@ -294,7 +295,7 @@ def plan_work(params: RunParams, mix: Mix, *, rank: int, world_size: int) -> Wor
     part = [(i, s) for i, s in enumerate(mix.samples) if i % world_size == rank]
     too_long = [d for d in mix.dropped if d["reason"] == "too_long"]
     scan = scan_shards(hdir)  # deletes nothing: run_extract discards partial files when it executes the plan
-    scan.check_kind(params.hidden.layout, state_names(params.hidden.final_state), hdir)
+    scan.check_kind(params.hidden.layout, state_names(params.hidden.final_state), hdir, params.hidden.codec())
     done = scan.done_keys()
     todo = [(i, s) for i, s in part if s.key not in done]
     return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
@@ -401,7 +402,7 @@ class ExtractResult:
         if self.index is None or not len(self.index):
             return pd.DataFrame(columns=["samples", "tokens", "loss_tokens", "bytes"])
         bpt = bytes_per_token(self.stats["hidden_size"], self.stats["dtype"], len(self.stats["states"]),
-                              self.stats["layout"])
+                              self.stats["layout"], StateCodec.of_info(self.stats, len(self.stats["states"])))
         g = self.index.groupby("dataset").agg(samples=("sample_id", "size"), tokens=("length", "sum"),
                                               loss_tokens=("loss_tokens", "sum"))
         g["bytes"] = g["tokens"] * bpt
@@ -470,7 +471,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         "partial_shards_discarded": len(discarded), "hidden_size": int(text_config(config).hidden_size),
         "dtype": hp.dtype, "layers_hf_indices": list(layers.hf_indices),
         "layers_outputs": list(layers.layer_outputs), "num_layers": layers.num_layers,
-        "states": list(state_names(hp.final_state)), "layout": hp.layout,
+        "states": list(state_names(hp.final_state)), "layout": hp.layout, "storage": hp.codec().as_dict(),
         "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
         "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
     }
@@ -481,7 +482,8 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
                 "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
                 "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
-                "final_state": hp.final_state, "layout": hp.layout, "mix_fingerprint": mix.manifest.get("fingerprint")}
+                "final_state": hp.final_state, "layout": hp.layout, "storage": hp.codec().as_dict(),
+                "mix_fingerprint": mix.manifest.get("fingerprint")}
         with Capture(model, layers, _torch_dtype(hp.dtype), hp.final_state) as cap:
             seqs = [s.input_ids for _, s in work.todo]
             batches = plan_batches([len(x) for x in seqs], hp.batch_tokens)
@@ -573,7 +575,7 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
     too_long = [d for d in mix.dropped if d["reason"] == "too_long"]  # reported here too; never in the mix
     scan = scan_shards(hdir)
     states = state_names(params.hidden.final_state)
-    scan.check_kind(params.hidden.layout, states, hdir)
+    scan.check_kind(params.hidden.layout, states, hdir, params.hidden.codec())
     rows, missing, duplicates, stale = index_rows(scan, mix.samples)
     if missing and not allow_partial:
         raise IncompleteError(f"{len(missing)} of {len(mix.samples)} mix samples are not stored yet "
@@ -581,7 +583,8 @@ def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None
     run = {"model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
            "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
            "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
-           "hidden_size": int(text_config(config).hidden_size), "dtype": params.hidden.dtype}
+           "hidden_size": int(text_config(config).hidden_size), "dtype": params.hidden.dtype,
+           "storage": params.hidden.codec().as_dict()}
     return write_index(hdir, rows, scan, run, {
         "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
         "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint")})

@@ -30,6 +30,7 @@ import orjson
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import RunParams
+from eagle3data.core.quant import StateCodec
 from eagle3data.core.reader import Sample, SampleKey
 from eagle3data.hidden.mix import Mix, hidden_dir, read_mix, source_sequences, tmp_tag
 from eagle3data.trainers.base import AUX_STATES, Trainer
@@ -76,8 +77,12 @@ def id_mask_bytes(layout: str) -> int:
     return SHARD_ID_MASK_BYTES if layout == "shards" else get_trainer(layout).id_mask_bytes
 
 
-def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", states: int = 4, layout: str = "shards") -> int:
-    """Bytes one token takes on disk: states x hidden x dtype size, plus its id and mask (per layout)."""
+def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", states: int = 4, layout: str = "shards",
+                    codec: StateCodec | None = None) -> int:
+    """Bytes one token takes on disk: its states (states x hidden x dtype size, or the 8-bit `codec`'s values and
+    scales), plus its id and mask (per layout)."""
+    if codec is not None and codec.quantized:
+        return codec.bytes_per_token(hidden_size) + id_mask_bytes(layout)
     return states * hidden_size * _torch_dtype(dtype).itemsize + id_mask_bytes(layout)
 
 
@@ -105,16 +110,18 @@ class ShardScan:
     shards: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # file (relative to hidden/) -> samples
     discarded: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
-    kinds: dict[tuple[str, tuple[str, ...]], str] = field(default_factory=dict)  # (layout, states) -> a file
+    kinds: dict[tuple[str, tuple[str, ...], StateCodec], str] = field(default_factory=dict)  # kind -> a file
 
-    def check_kind(self, layout: str, states: tuple[str, ...], where: Path) -> None:
-        """Refuse a store written with another layout or other states than the params ask for."""
-        other = {k: f for k, f in self.kinds.items() if k != (layout, tuple(states))}
+    def check_kind(self, layout: str, states: tuple[str, ...], where: Path, codec: StateCodec | None = None) -> None:
+        """Refuse a store written with another layout, other states or another storage than the params ask for."""
+        codec = codec or StateCodec(len(states))
+        other = {k: f for k, f in self.kinds.items() if k != (layout, tuple(states), codec)}
         if other:
-            (lay, st), f = next(iter(other.items()))
+            (lay, st, cod), f = next(iter(other.items()))
             raise HiddenError(
-                f"{where / f}: stored as layout {lay!r} with states {list(st)}, but hidden.layout={layout!r} and "
-                f"hidden.final_state ask for {list(states)}: set them as the store was written, or delete {where} "
+                f"{where / f}: stored as layout {lay!r} with states {list(st)} in storage {cod.as_dict()}, but "
+                f"hidden.layout={layout!r}, hidden.final_state and hidden.storage ask for {list(states)} in "
+                f"{codec.as_dict()}: set them as the store was written, or delete {where} "
                 "(or point hidden.out_dir elsewhere) to extract again")
 
     def done_keys(self) -> set[str]:
@@ -144,9 +151,10 @@ def read_shard_meta(path: Path) -> dict[str, Any]:
     return orjson.loads(raw)
 
 
-def _file_kind(meta: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+def _file_kind(meta: dict[str, Any]) -> tuple[str, tuple[str, ...], StateCodec]:
     # stores written before `hidden.final_state` named the post-norm state `final_norm`
-    return meta.get("layout", "shards"), tuple(meta.get("states") or OLD_STATES)
+    states = tuple(meta.get("states") or OLD_STATES)
+    return meta.get("layout", "shards"), states, StateCodec.of_info(meta, len(states))
 
 
 def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all: bool = False) -> ShardScan:
@@ -201,6 +209,8 @@ class ShardWriter:
         self.rank = rank
         self.cap = shard_bytes
         self.info = info
+        self.codec = StateCodec.of_info(info, len(info["states"]))
+        self.state_bytes = self.codec.bytes_per_token(int(info["hidden_size"]))
         nums = [int(p.name.split("-")[1].split(".")[0]) for p in self.dir.glob(f"r{rank:03d}-*{SHARD_SUFFIX}")]
         self.next_no = max(nums, default=-1) + 1
         self.written: list[str] = []
@@ -221,7 +231,7 @@ class ShardWriter:
         n = len(s.input_ids)
         if states.shape[0] != n:
             raise HiddenError(f"{s.key}: {states.shape[0]} states for {n} tokens")
-        nbytes = states.numel() * states.element_size() + SHARD_ID_MASK_BYTES * n
+        nbytes = (self.state_bytes + SHARD_ID_MASK_BYTES) * n
         if self.entries and self.bytes + nbytes > self.cap:
             self.flush()
         self.entries.append(index_entry(s, position, self.tokens))
@@ -239,7 +249,7 @@ class ShardWriter:
         if not self.entries:
             return None
         name = f"r{self.rank:03d}-{self.next_no:05d}{SHARD_SUFFIX}"
-        tensors = {"hidden_states": torch.cat(self.states).contiguous(), "input_ids": torch.cat(self.ids),
+        tensors = {**self.codec.encode(torch.cat(self.states)), "input_ids": torch.cat(self.ids),
                    "loss_mask": torch.cat(self.masks)}
         meta = {**self.info, "rank": self.rank, "samples": self.entries, "tokens": self.tokens}
         tmp = self.dir / (name + ".tmp")
@@ -267,6 +277,8 @@ class SampleFileWriter:
         self.trainer: Trainer = get_trainer(layout)
         self.info = info
         self.names: tuple[str, ...] = tuple(info["states"])
+        codec = StateCodec.of_info(info, len(self.names))
+        self.storage = codec.aux if codec.quantized else None  # one storage for all states (params check it)
         need = self.trainer.final_state
         if need not in self.names:
             raise HiddenError(f"{self.dir}: the store holds {list(self.names)}, but {layout} needs the {need} state: "
@@ -285,7 +297,7 @@ class SampleFileWriter:
         name = f"p{position:09d}{self.trainer.sample_suffix}"
         aux, finals = split_states(states, self.names)
         self.trainer.write_sample(self.dir / name, s.input_ids, s.loss_mask, aux, finals, meta,
-                                  tmp_suffix=f".r{self.rank:03d}.tmp")
+                                  tmp_suffix=f".r{self.rank:03d}.tmp", storage=self.storage)
         self.written.append(name)
 
     def flush(self) -> None:
@@ -348,7 +360,8 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
     os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)
     info = {
         **run, "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
-        "bytes_per_token": bytes_per_token(run["hidden_size"], run["dtype"], len(run["states"]), run["layout"]),
+        "bytes_per_token": bytes_per_token(run["hidden_size"], run["dtype"], len(run["states"]), run["layout"],
+                                           StateCodec.of_info(run, len(run["states"]))),
         "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
         **extra,
     }
@@ -380,6 +393,8 @@ class HiddenReader:
         self._rows = {str(k): i for i, k in enumerate(SampleKey.of_frame(self.index))}
         self.states: tuple[str, ...] = tuple(self.info.get("states") or OLD_STATES)
         self.layout: str = self.info.get("layout", "shards")
+        self.codec = StateCodec.of_info(self.info, len(self.states))
+        self.dtype = _torch_dtype(self.info.get("dtype", "bfloat16"))  # 8-bit stores are dequantized to it
 
     def row(self, key: str | SampleKey) -> int | None:
         """The row number (mix order) of a stored sample's key, or None when it is not stored."""
@@ -405,7 +420,7 @@ class HiddenReader:
         finals = [got["finals"].get(x) for x in self.states[len(AUX_NAMES):]]
         if any(t is None for t in finals):
             raise HiddenError(f"{path}: lacks one of the states {list(self.states)} its store records")
-        hs = torch.cat([got["aux"]] + [t[:, None] for t in finals], dim=1)
+        hs = torch.cat([got["aux"]] + [t[:, None] for t in finals], dim=1).to(self.dtype)
         return {"hidden_states": hs, "input_ids": got["input_ids"].to(torch.int32),
                 "loss_mask": got["loss_mask"].to(torch.uint8)}
 
@@ -419,8 +434,17 @@ class HiddenReader:
         if self.layout != "shards":
             return {**row.to_dict(), **self._read_file(self.dir / row["shard"])}
         with safe_open(str(self.dir / row["shard"]), framework="pt") as f:
-            out = {name: f.get_slice(name)[a : a + n] for name in ("hidden_states", "input_ids", "loss_mask")}
-        return {**row.to_dict(), **out}
+            out = {name: f.get_slice(name)[a : a + n]
+                   for name in (*self.codec.token_tensors(), "input_ids", "loss_mask")}
+            out.update({name: f.get_tensor(name) for name in self.codec.block_tensors()})
+        return {**row.to_dict(), **self._decoded(out)}
+
+    def _decoded(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """A shard slice's tensors with its states as `hidden_states` [n, S, hidden] (8-bit ones dequantized)."""
+        if not self.codec.quantized:
+            return tensors
+        states = self.codec.decode(tensors, self.dtype)
+        return {"hidden_states": states, "input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"]}
 
     def stored_ids(self, which: int) -> tuple[list[int], list[int]]:
         """Input ids and loss mask of one sample as stored, reading only those tensors."""
@@ -443,9 +467,11 @@ class HiddenReader:
             return
         for shard, rows in self.index.groupby("shard", sort=True):
             t = load_file(str(self.dir / shard))
+            block = {k: t[k] for k in self.codec.block_tensors()}
             for _, row in rows.sort_values("offset").iterrows():
                 a, n = int(row["offset"]), int(row["length"])
-                yield {**row.to_dict(), **{k: v[a : a + n] for k, v in t.items()}}
+                part = {k: v[a : a + n] for k, v in t.items() if k not in block}
+                yield {**row.to_dict(), **self._decoded({**part, **block})}
             del t
 
 

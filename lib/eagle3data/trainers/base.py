@@ -59,9 +59,10 @@ class Trainer(abc.ABC):
 
     @abc.abstractmethod
     def write_sample(self, path: Path, input_ids: Any, loss_mask: Any, aux: Any, finals: dict[str, Any],
-                     meta: str | None = None, *, tmp_suffix: str = ".tmp") -> int:
+                     meta: str | None = None, *, tmp_suffix: str = ".tmp", storage: Any = None) -> int:
         """One sample as the trainer's file at `path` (written to a temp name, fsynced, renamed); its size.
-        `meta`: 04's `eagle3data` description of the file, stored in it when given."""
+        `meta`: 04's `eagle3data` description of the file, stored in it when given. `storage`: an 8-bit
+        `core.quant.Storage` the trainer reads natively (None: the states as given)."""
 
     @abc.abstractmethod
     def read_sample(self, path: Path) -> dict[str, Any]:

@@ -48,9 +48,12 @@ class SpecForge(Trainer):
         return f"{row:09d}.ckpt"
 
     def write_sample(self, path: Path, input_ids: Any, loss_mask: Any, aux: Any, finals: dict[str, Any],
-                     meta: str | None = None, *, tmp_suffix: str = ".tmp") -> int:
+                     meta: str | None = None, *, tmp_suffix: str = ".tmp", storage: Any = None) -> int:
         import torch
 
+        if storage is not None:
+            raise HandoffError(f"{path}: SpecForge reads bf16 features only, not {storage.name}: store shards "
+                               "(hidden.layout shards) and let 05 convert")
         n = len(input_ids)
         tmp = path.with_name(path.name + tmp_suffix)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from eagle3data.trainers.base import AUX_STATES, Trainer, commit
+from eagle3data.core.quant import quantize
+from eagle3data.trainers.base import AUX_STATES, HandoffError, Trainer, commit
+
+FP8_SCALES = "hidden_states_scales"  # hs-connectors' name of the per-token scales beside FP8 `hidden_states`
+
+
+def _fp8_states(values: Any, scales: Any) -> Any:
+    """FP8 values with their per-token (or per token and state) scales, as bf16: FP8Transfer's own arithmetic
+    (`values.to(bf16) * scales.to(bf16)`), so what 04 validates is exactly what speculators trains on."""
+    import torch
+
+    return values.to(torch.bfloat16) * scales.to(torch.bfloat16)
 
 HS_DIR = "hidden_states"  # the per-sample files, under the dataset folder
 
@@ -34,17 +45,26 @@ class Speculators(Trainer):
         return f"hs_{row}.safetensors"
 
     def write_sample(self, path: Path, input_ids: Any, loss_mask: Any, aux: Any, finals: dict[str, Any],
-                     meta: str | None = None, *, tmp_suffix: str = ".tmp") -> int:
+                     meta: str | None = None, *, tmp_suffix: str = ".tmp", storage: Any = None) -> int:
         import torch
         from safetensors.torch import save_file
 
         tmp = path.with_name(path.name + tmp_suffix)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"hidden_states": torch.cat([aux, finals["pre_norm"][:, None]], 1).contiguous(),
-                   "token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
+        hs = torch.cat([aux, finals["pre_norm"][:, None]], 1)
+        tensors = {"token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
                    "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8).clone()}
-        if "post_norm" in finals:
-            tensors["post_norm"] = finals["post_norm"].contiguous().clone()
+        if storage is None:
+            tensors["hidden_states"] = hs.contiguous()
+            if "post_norm" in finals:
+                tensors["post_norm"] = finals["post_norm"].contiguous().clone()
+        else:  # hs-connectors' FP8 file: float8_e4m3fn values, fp32 scales [n, 1 | 4, 1] (FP8Transfer reads it)
+            if storage.format != "fp8_e4m3" or storage.scale not in ("token", "token_state"):
+                raise HandoffError(f"{path}: speculators reads fp8_e4m3 with per-token scales natively, not "
+                                   f"{storage.name}: store shards and let 05 convert")
+            tensors["hidden_states"], tensors[FP8_SCALES] = quantize(hs, storage)
+            if "post_norm" in finals:
+                tensors["post_norm"], tensors["post_norm_scales"] = quantize(finals["post_norm"][:, None], storage)
         save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
         return commit(tmp, path)
 
@@ -53,9 +73,12 @@ class Speculators(Trainer):
 
         raw = load_file(str(path))
         hs = raw["hidden_states"]
+        if FP8_SCALES in raw:  # an FP8 file: dequantized as FP8Transfer does, in fp32 first
+            hs = _fp8_states(hs, raw[FP8_SCALES])
         finals = {"pre_norm": hs[:, AUX_STATES]}
         if "post_norm" in raw:
-            finals["post_norm"] = raw["post_norm"]
+            post = raw["post_norm"]
+            finals["post_norm"] = _fp8_states(post, raw["post_norm_scales"])[:, 0] if "post_norm_scales" in raw else post
         return {"input_ids": raw["token_ids"], "loss_mask": raw["loss_mask"], "aux": hs[:, :AUX_STATES],
                 "finals": finals}
 
