@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from eagle3data.trainers.base import AUX_STATES, Trainer, commit
+from eagle3data.core.atomic import atomic_path
+from eagle3data.trainers.base import AUX_STATES, Trainer
 
 HS_DIR = "hidden_states"  # the per-sample files, under the dataset folder
 
@@ -38,15 +39,15 @@ class Speculators(Trainer):
         import torch
         from safetensors.torch import save_file
 
-        tmp = path.with_name(path.name + tmp_suffix)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"hidden_states": torch.cat([aux, finals["pre_norm"][:, None]], 1).contiguous(),
                    "token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
                    "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8).clone()}
         if "post_norm" in finals:
             tensors["post_norm"] = finals["post_norm"].contiguous().clone()
-        save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
-        return commit(tmp, path)
+        with atomic_path(path, tmp_suffix=tmp_suffix, fsync=True) as tmp:  # the umask's mode: save_file makes 0600
+            save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
+        return path.stat().st_size
 
     def read_sample(self, path: Path) -> dict[str, Any]:
         from safetensors.torch import load_file
