@@ -244,6 +244,9 @@ class RunLock:
                         if rec and rec.get("launch") == self.launch:
                             return "ok"
                         break
+                    rec = read_lock(self.run_dir)
+                    if rec and rec.get("launch") != self.launch and pid_alive(rec.get("pid")):
+                        break  # a live writer of another launch (a dead one's record is about to be replaced)
                     time.sleep(0.1)
             raise busy_error(self.run_dir, read_lock(self.run_dir))
         if ex and not self._same_file(fd):
