@@ -22,14 +22,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from eagle3data.audit.report import render_report
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import load_params
+from eagle3data.core.runlock import LAUNCH_ENV, hold_run, new_launch_id
 from eagle3data.generate.ledger import ledger_frame, read_ledger
-from eagle3data.headless import (RUN_LOCK, STOP_FILE, RunControl, StageWatch, _cell_error, _find_run_dir,
+from eagle3data.headless import (STOP_FILE, RunControl, StageWatch, _cell_error, _find_run_dir,
                                  _log_has_news, _report_stop, _run_state, _shown_path, _stage_outcome,
                                  execute_notebook, rejected_prompt_report)
 from eagle3data.preflight import ready_problems
@@ -88,12 +90,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             out.write(("\r\x1b[K" if tty else "\n") + f"  {msg}\n")
             out.flush()
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[LAUNCH_ENV] = new_launch_id()  # the kernels it starts are of this launch: they join its hold
+    try:
+        hold = hold_run(run_dir, stages[0], say=print)  # a second writer stops here, before any work
+    except BaseException:
+        os.environ.pop(LAUNCH_ENV, None)
+        raise
     control = RunControl(run_dir, say)
     if control.stop_file.exists():  # left by an earlier run; a STOP written from now on is this run's
         control.stop_file.unlink()
         print(f"removed a STOP file left by an earlier run: {_shown_path(control.stop_file)}")
-    lock_file = run_dir / RUN_LOCK
     os.environ[CLI_RUN_ENV] = "1"
     print(f"run {params.run_name!r} -> {_shown_path(run_dir)}")
     control.install()
@@ -101,8 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for n, stage in enumerate(stages):
             if control.reason is not None or control.external_stop():
                 return _report_stop(args, control, stages[n:], run_dir, None)
-            lock_file.write_bytes(orjson.dumps({"pid": os.getpid(), "stage": stage, "started_at": control.started,
-                                                "argv": sys.argv}))
+            hold.set_stage(stage)
             t0 = time.perf_counter()
             out.write(f"  {stage} ...")
             out.flush()
@@ -148,7 +153,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         control.restore()
         os.environ.pop(CLI_RUN_ENV, None)
-        lock_file.unlink(missing_ok=True)
+        os.environ.pop(LAUNCH_ENV, None)
+        hold.close()
         if control.reason is not None:
             control.stop_file.unlink(missing_ok=True)
     if "03_audit" in stages:
@@ -249,14 +255,19 @@ def cmd_extract(args: argparse.Namespace) -> int:
     `--merge-only` merges the index from the finished shards and validates the store. Exit status 0,
     1 when the store fails validation; every rank prints its own line, the progress line is rank 0's.
     """
-    # the stage (torch, the model) only for this command
-    from eagle3data.hidden.extract import dist_env, merge_index, run_extract
-    from eagle3data.hidden.store import validate_store
-
     params = load_params(args.params, dict(args.p or []))
     problems = ready_problems(params, ["04_extract_hidden"])
     if problems:
         raise UserError("; ".join(problems))
+    with hold_run(params.run_dir, "04_extract_hidden"):  # the ranks of one torchrun hold it together
+        return _extract(args, params)
+
+
+def _extract(args: argparse.Namespace, params: Any) -> int:
+    # the stage (torch, the model) only for this command
+    from eagle3data.hidden.extract import dist_env, merge_index, run_extract
+    from eagle3data.hidden.store import validate_store
+
     if args.merge_only:
         df = merge_index(params)
         v = validate_store(params)

@@ -11,7 +11,7 @@ folder's `STOP` file (01 stops dispatching and lets the requests in flight finis
 journaled; 04 finishes the shard in progress), the stage ends cleanly and its notebook is saved,
 no later stage starts, and it exits 3 with the command that resumes (`_report_stop`). A second
 signal cancels the work in flight. `status RUN` and `stop RUN` find the run (`_find_run_dir`) and
-who is working on it (`_run_state`: the `run` command's lock, the stage's progress line, the ledger).
+who is working on it (`_run_state`: the writer's record in `run.lock.json`, the stage's progress line, the ledger).
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-import orjson
-
 from eagle3data.audit.report import notebook_to_html
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import load_params, repo_root
 from eagle3data.core.progress import read_progress
+from eagle3data.core.runlock import RUN_LOCK, pid_alive, read_lock
 from eagle3data.generate.ledger import read_ledger
 
 
@@ -95,7 +94,6 @@ def rejected_prompt_report(run_dir: Path, k: int = 3) -> list[str]:
 # ------------------------------------------------------------------ stopping a run
 
 STOP_FILE = "STOP"
-RUN_LOCK = "run.lock.json"  # the `run` command's own pid, stage and command line while it lives
 
 
 class _KernelPids:
@@ -320,38 +318,16 @@ def _find_run_dir(run: str) -> Path:
     raise NoRunFolder(f"no run folder {run!r} (give outputs/<run_name>, a run folder, or the run's params file)")
 
 
-def _alive(pid: Any) -> bool:
-    try:
-        pid = int(pid)
-    except (TypeError, ValueError):
-        return False
-    try:
-        import psutil
-
-        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except Exception:  # noqa: BLE001 - psutil missing or the process went away meanwhile
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-
-
 def _run_state(run_dir: Path) -> dict[str, Any]:
-    """Who is working on the run: the `run` command's lock, the stage's progress.json, the ledger."""
-    lock = None
-    if (run_dir / RUN_LOCK).exists():
-        try:
-            lock = orjson.loads((run_dir / RUN_LOCK).read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            lock = None
+    """Who is working on the run: the writer's record (`run.lock.json`, read, never locked), progress.json, the ledger."""
+    lock = read_lock(run_dir)
     prog = read_progress(run_dir)
     try:
         led = read_ledger(run_dir)
     except (OSError, ValueError):
         led = None
     pids = [x.get("pid") for x in (lock, prog) if x and x.get("pid")]
-    live = [p for p in pids if _alive(p)]
+    live = [p for p in pids if pid_alive(p)]
     return {"lock": lock, "progress": prog, "ledger": led, "alive_pids": live,
             "running": bool(live) and (lock is not None or bool(prog and not prog.get("final")))}
 

@@ -24,6 +24,7 @@ from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, NA, NOT_RUN, PAS
                      tokenizer_checks)
 from eagle3data.audit.idtable import AuditInputError, IdTable, read_journal
 from eagle3data.audit.runtable import concat_tables, load_run, merge_reconstruct, split_superseded
+from eagle3data.core.atomic import write_atomic
 from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.stats import upper95
 from eagle3data.core.models import load_tokenizer, tokenizer_for
@@ -203,9 +204,7 @@ class AuditResult:
         if "turn" in m and m["turn"].notna().any():  # generate.turns: all: a verdict per turn (its SampleKey)
             lines = [ln if t is None or t != t else ln[:-1] + b',"turn":%d}' % int(t) for ln, t in zip(lines, m["turn"])]
         vp, sp = out / "verdicts.jsonl", out / "summary.json"
-        tmp = vp.with_suffix(".jsonl.tmp")
-        tmp.write_bytes(b"\n".join(lines) + (b"\n" if lines else b""))
-        tmp.replace(vp)
+        write_atomic(vp, b"\n".join(lines) + (b"\n" if lines else b""))
         sp.write_bytes(orjson.dumps(self.summary(), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
         return vp, sp
 

@@ -23,6 +23,8 @@ from typing import Any, Mapping
 
 import orjson
 
+from eagle3data.core.atomic import write_atomic
+
 PROGRESS_FILE = "progress.json"
 
 
@@ -147,10 +149,9 @@ def write_progress(run_dir: Path, stage: str, line: str, figures: Mapping[str, A
         return
     data = {"stage": stage, "pid": os.getpid(), "updated_at": time.time(), "final": final, "line": line,
             "figures": dict(figures or {})}
-    tmp = run_dir / (PROGRESS_FILE + f".{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY, default=str))
-        tmp.replace(run_dir / PROGRESS_FILE)
+        write_atomic(run_dir / PROGRESS_FILE, orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY, default=str),
+                     tmp_suffix=f".{os.getpid()}.tmp")
     except OSError:
         pass  # progress is for watching; a full disk must not stop the stage here
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from eagle3data.core.atomic import atomic_path
 from eagle3data.core.errors import UserInputError
 
 
@@ -93,9 +94,10 @@ def save_draft_vocab(vocab: DraftVocab, path: str | Path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"d2t": np.ascontiguousarray(vocab.d2t, dtype=np.int64),
-               "t2d": np.ascontiguousarray(vocab.t2d, dtype=bool)}, str(path),
-              metadata={"coverage": f"{vocab.coverage:.6f}", "convention": "target_id = draft_id + d2t[draft_id]"})
+    with atomic_path(path) as tmp:  # the umask's mode: save_file alone makes it 0600
+        save_file({"d2t": np.ascontiguousarray(vocab.d2t, dtype=np.int64),
+                   "t2d": np.ascontiguousarray(vocab.t2d, dtype=bool)}, str(tmp),
+                  metadata={"coverage": f"{vocab.coverage:.6f}", "convention": "target_id = draft_id + d2t[draft_id]"})
     return path
 
 

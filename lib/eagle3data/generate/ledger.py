@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from eagle3data.core.atomic import write_atomic
+
 
 @dataclass
 class DatasetLedger:
@@ -119,9 +121,7 @@ def write_ledger(run_dir: Path, ledger: dict[str, DatasetLedger], status: str, e
                             "datasets": {k: asdict(v) for k, v in ledger.items()}}
     if extra:
         data.update(extra)
-    tmp = Path(run_dir) / "ledger.json.tmp"
-    tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
-    tmp.replace(Path(run_dir) / "ledger.json")
+    write_atomic(Path(run_dir) / "ledger.json", orjson.dumps(data, option=orjson.OPT_INDENT_2))
 
 
 def read_ledger(run_dir: str | Path) -> dict[str, Any] | None:

@@ -48,6 +48,7 @@ from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import write_provenance
+from eagle3data.core.runlock import hold_run
 from eagle3data.generate.backends.engine import Engine, EngineSettings, GenerateError, Job
 from eagle3data.generate.backends.openai_api import OpenAIBackend
 from eagle3data.generate.backends.sglang import SGLangBackend
@@ -200,8 +201,10 @@ def _long_lived_heap() -> Iterator[None]:
 
 
 def run_generate(params: RunParams, *, progress: bool = True, model: Any = None, tokenizer: Any = None) -> GenerateSummary:
-    """Generate every pending sample of the run with the backend in params; journal as it goes."""
-    with _long_lived_heap():
+    """Generate every pending sample of the run with the backend in params; journal as it goes.
+
+    Holds the run folder while it works (`core.runlock`): a second writer on a live folder is refused."""
+    with hold_run(params.run_dir, "01_generate"), _long_lived_heap():
         return _generate(params, progress, model, tokenizer)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from eagle3data.core.atomic import atomic_path, write_atomic
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import RunFileError, RunView, Sample, SampleKey, read_run
 from eagle3data.rebuild.proof import PROOF_RANK
@@ -424,11 +425,9 @@ def write_mix(mix: Mix, out_dir: Path) -> Path:
     })
     tag = tmp_tag()
     path = out_dir / MIX_FILE
-    pq.write_table(table, str(path) + tag)
-    os.replace(str(path) + tag, path)
-    man = out_dir / MANIFEST_FILE
-    Path(str(man) + tag).write_bytes(orjson.dumps(mix.manifest, option=orjson.OPT_INDENT_2))
-    os.replace(str(man) + tag, man)
+    with atomic_path(path, tmp_suffix=tag) as tmp:
+        pq.write_table(table, str(tmp))
+    write_atomic(out_dir / MANIFEST_FILE, orjson.dumps(mix.manifest, option=orjson.OPT_INDENT_2), tmp_suffix=tag)
     return path
 
 

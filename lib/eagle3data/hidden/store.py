@@ -21,13 +21,13 @@ every sample against the run's records (through the one reader).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import orjson
 
+from eagle3data.core.atomic import atomic_path, write_atomic
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import RunParams
 from eagle3data.core.quant import StateCodec
@@ -252,11 +252,8 @@ class ShardWriter:
         tensors = {**self.codec.encode(torch.cat(self.states)), "input_ids": torch.cat(self.ids),
                    "loss_mask": torch.cat(self.masks)}
         meta = {**self.info, "rank": self.rank, "samples": self.entries, "tokens": self.tokens}
-        tmp = self.dir / (name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"eagle3data": orjson.dumps(meta).decode()})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / name)
+        with atomic_path(self.dir / name, fsync=True) as tmp:  # the umask's mode: save_file alone makes it 0600
+            save_file(tensors, str(tmp), metadata={"eagle3data": orjson.dumps(meta).decode()})
         self.written.append(name)
         self.next_no += 1
         self._reset()
@@ -356,8 +353,8 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
     df = df.astype({"turn": "Int32", "position": "int64", "offset": "int64", "length": "int64",
                     "loss_tokens": "int64"})
     tag = tmp_tag()
-    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(hdir / INDEX_FILE) + tag)
-    os.replace(str(hdir / INDEX_FILE) + tag, hdir / INDEX_FILE)
+    with atomic_path(hdir / INDEX_FILE, tmp_suffix=tag) as tmp:
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(tmp))
     info = {
         **run, "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
         "bytes_per_token": bytes_per_token(run["hidden_size"], run["dtype"], len(run["states"]), run["layout"],
@@ -365,8 +362,7 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
         "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
         **extra,
     }
-    (hdir / (INFO_FILE + tag)).write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-    os.replace(hdir / (INFO_FILE + tag), hdir / INFO_FILE)
+    write_atomic(hdir / INFO_FILE, orjson.dumps(info, option=orjson.OPT_INDENT_2), tmp_suffix=tag)
     return df
 
 

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import orjson
 
 from eagle3data.prompts.formats import ROLES, DatasetFormat, RowError, accepting_formats, get_format, guess_formats
+from eagle3data.core.atomic import atomic_path
 from eagle3data.core.params import ParamsError
 from eagle3data.core.profiles import Profile
 from eagle3data.prompts.files import (BUILTIN_PREFIX, COLUMNAR_SUFFIXES, HUB_PREFIX, TEXT_SUFFIXES, PromptDataError, Row,
@@ -453,11 +454,9 @@ def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str
     if out:
         dst = Path(out)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with atomic_path(dst) as tmp, open(tmp, "wb") as f:
             for p in ps.prompts:
                 f.write(orjson.dumps(p.as_row()) + b"\n")
-        tmp.replace(dst)
         print(f"wrote {len(ps.prompts)} prompts to {dst} (read it back with format: prompts)")
     return 0 if ps.prompts else 1
 

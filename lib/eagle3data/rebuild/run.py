@@ -34,6 +34,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import orjson
 
+from eagle3data.core.atomic import write_atomic
 from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.stats import calibrated_offset, wilson_interval
 
@@ -372,12 +373,6 @@ def _levels_by(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for (ds, pv), lv in sorted(acc.items())]
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
 def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -> ReconstructResult:
     """Stage 02 on a run: rebuild API records beside the journal, measure drift on exact records."""
     from tqdm.auto import tqdm
@@ -403,7 +398,7 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
         lines = reconstruct_records(api, tokenizer, profile, rp, calibration) if api else []
         target = out_dir / f"{d.name}.jsonl"
         if lines:
-            _write_atomic(target, b"".join(orjson.dumps(ln) + b"\n" for ln in lines))
+            write_atomic(target, b"".join(orjson.dumps(ln) + b"\n" for ln in lines))
         elif target.exists():
             target.unlink()  # a stale file from an earlier run would be read as this run's
         all_lines += lines
@@ -420,8 +415,8 @@ def run_reconstruct(params: Any, progress: bool = True, tokenizer: Any = None) -
                "overall": summarize(({**ln, "all": "all"} for ln in all_lines), "all").get("all"),
                "flags_meaning": FLAGS, "proof_levels_meaning": PROOF_MEANING, "calibration": calibration,
                "levels_by_dataset_provider": _levels_by(all_lines), "params": rp.model_dump(mode="json")}
-    _write_atomic(out_dir / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    _write_atomic(out_dir / "drift.json", orjson.dumps(drift, option=orjson.OPT_INDENT_2))
+    write_atomic(out_dir / "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    write_atomic(out_dir / "drift.json", orjson.dumps(drift, option=orjson.OPT_INDENT_2))
     return ReconstructResult(run_dir, summary, drift, time.perf_counter() - t0)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -86,11 +85,3 @@ class Trainer(abc.ABC):
         """Every hand-off file beside the per-sample files (vocabulary, dataset or config): the files
         (name -> what it holds) and what the hand-off's manifest adds. `model_dir()`: the target's
         folder on this machine (None when only the GPU machine has it), resolved when asked."""
-
-
-def commit(tmp: Path, path: Path) -> int:
-    """Make a finished temp file durable (fsync) and rename it to `path`; return its size."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path.stat().st_size

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import orjson
 
-from eagle3data.trainers.base import AUX_STATES, HandoffError, Trainer, commit
+from eagle3data.core.atomic import atomic_path
+from eagle3data.trainers.base import AUX_STATES, HandoffError, Trainer
 
 FEATURES = "features"  # the per-sample files, under the hand-off folder
 VOCAB_FILE = "vocab_mapping.pt"
@@ -55,7 +56,6 @@ class SpecForge(Trainer):
             raise HandoffError(f"{path}: SpecForge reads bf16 features only, not {storage.name}: store shards "
                                "(hidden.layout shards) and let 05 convert")
         n = len(input_ids)
-        tmp = path.with_name(path.name + tmp_suffix)
         path.parent.mkdir(parents=True, exist_ok=True)
         obj: dict[str, Any] = {"input_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
                                "loss_mask": torch.as_tensor(loss_mask, dtype=torch.long).clone(),
@@ -65,8 +65,9 @@ class SpecForge(Trainer):
             obj["pre_norm"] = finals["pre_norm"].contiguous().clone()[None]
         if meta is not None:
             obj["eagle3data"] = meta
-        torch.save(obj, str(tmp))
-        return commit(tmp, path)
+        with atomic_path(path, tmp_suffix=tmp_suffix, fsync=True) as tmp:
+            torch.save(obj, str(tmp))
+        return path.stat().st_size
 
     def _load(self, path: Path) -> Any:
         import torch

@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from eagle3data.core.atomic import atomic_path
 from eagle3data.core.quant import quantize
-from eagle3data.trainers.base import AUX_STATES, HandoffError, Trainer, commit
+from eagle3data.trainers.base import AUX_STATES, HandoffError, Trainer
 
 FP8_SCALES = "hidden_states_scales"  # hs-connectors' name of the per-token scales beside FP8 `hidden_states`
 
@@ -49,7 +50,6 @@ class Speculators(Trainer):
         import torch
         from safetensors.torch import save_file
 
-        tmp = path.with_name(path.name + tmp_suffix)
         path.parent.mkdir(parents=True, exist_ok=True)
         hs = torch.cat([aux, finals["pre_norm"][:, None]], 1)
         tensors = {"token_ids": torch.as_tensor(input_ids, dtype=torch.long).clone(),
@@ -65,8 +65,9 @@ class Speculators(Trainer):
             tensors["hidden_states"], tensors[FP8_SCALES] = quantize(hs, storage)
             if "post_norm" in finals:
                 tensors["post_norm"], tensors["post_norm_scales"] = quantize(finals["post_norm"][:, None], storage)
-        save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
-        return commit(tmp, path)
+        with atomic_path(path, tmp_suffix=tmp_suffix, fsync=True) as tmp:  # the umask's mode: save_file makes 0600
+            save_file(tensors, str(tmp), metadata=None if meta is None else {"eagle3data": meta})
+        return path.stat().st_size
 
     def read_sample(self, path: Path) -> dict[str, Any]:
         from safetensors.torch import load_file
