@@ -157,6 +157,8 @@ def figure_row(f: Figure, out_dir: Path, since: float | None) -> dict[str, Any]:
         row.update(value=v, value_unit=f.value_unit, value_goal=f.value_goal)
         if f.value_goal is not None and isinstance(v, (int, float)):
             row["met"] = bool(row["met"] and v >= f.value_goal)
+    if data.get("planted_slowdown"):  # a bench run with a slowdown planted on purpose (BENCH_AUDIT_SLOW_CHECK)
+        row["planted"] = data["planted_slowdown"]
     load = get_path(data, f.load) if f.load else None
     row["load_1m"] = load if isinstance(load, (int, float)) else None
     if since is not None and path.stat().st_mtime < since:
@@ -237,6 +239,8 @@ def table(summary: dict[str, Any]) -> str:
         ratio = _ratio_text(r) + (f" ({_value_text(r)})" if _value_text(r) else "")
         if r.get("stale"):
             ratio += " (stale: from an earlier run)"
+        if r.get("planted"):
+            ratio += f" (PLANTED: {r['planted']})"
         ok = "—" if r.get("met") is None else ("yes" if r["met"] else "**no**")
         lines.append(f"| {r['what']} | {r['baseline']} | {ratio} | {_goal_text(r)} | {ok} | {_spread_text(r)} |")
     loads = sorted({r["load_1m"] for r in summary["figures"].values() if r.get("load_1m") is not None})

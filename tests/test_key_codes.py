@@ -30,6 +30,9 @@ FRAMES = {
                                  "turn": pd.array([pd.NA, None, 2, pd.NA], dtype=object)}),
     "string dtype with missing": pd.DataFrame({"dataset": pd.array(["d", None, "d"], dtype="string"),
                                                "sample_id": [1, 1, 1]}),
+    "nullable integer turns": pd.DataFrame({"dataset": ["d"] * 4, "sample_id": [1, 1, 1, 2],
+                                            "turn": pd.array([1, None, 1, None], dtype="Int64")}),
+    "integer turns, every row": pd.DataFrame({"dataset": ["d"] * 3, "sample_id": [1, 1, 2], "turn": [0, 1, 0]}),
     "one dataset, booleans": pd.DataFrame({"dataset": ["d"] * 3, "sample_id": [True, False, True]}),
 }
 

@@ -132,11 +132,17 @@ def _turn_values(col: Any) -> tuple[np.ndarray, np.ndarray]:
     """(has a turn, the turn or 0) per row of a turn column, by `_turn`'s rule."""
     import pandas as pd
 
-    arr = np.asarray(col, dtype=object)
+    arr = np.asarray(col)
+    if arr.dtype.kind in "iu":
+        return np.ones(len(arr), bool), arr.astype(np.int64)
+    if arr.dtype.kind == "f":  # NaN is none; int() of a float truncates, as astype does
+        has = ~np.isnan(arr)
+        return has, np.where(has, arr, 0).astype(np.int64)
+    arr = arr.astype(object)
     has = ~pd.isna(arr)
     turn = np.zeros(len(arr), np.int64)
     if has.any():
-        turn[has] = [int(t) for t in arr[has]] if arr.dtype.kind == "O" else arr[has]
+        turn[has] = [int(t) for t in arr[has]]
     return has, turn
 
 
