@@ -42,10 +42,15 @@ run: model ## run the four notebooks on params/embedded.yaml into outputs/embedd
 test: model ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests
 
-bench: model ## run the benchmarks; figures go to outputs/bench/*.json
+BENCH ?= bench/bench_*.py
+bench: model ## run the benchmarks (BENCH=bench/bench_audit.py for one) -> outputs/bench/*.json + summary.json/.md, compared with bench/summary.committed.json
 	@mkdir -p outputs/bench
-	@set -e; for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f; done
-	@echo "figures: outputs/bench/"
+	@set -e; start=$$(date +%s); for f in $(BENCH); do echo "== $$f"; $(BIN)/python $$f; done; \
+		$(BIN)/python bench/summary.py --since $$start
+
+.PHONY: bench-accept
+bench-accept: ## make outputs/bench/summary.json the committed figures (bench/summary.committed.json) and the README's performance table
+	$(BIN)/python bench/summary.py accept
 
 lab: model ## start JupyterLab (installed by `make install`, no network) on the registered eagle3data kernel, opening notebooks/
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
