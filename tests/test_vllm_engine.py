@@ -42,7 +42,7 @@ def ids_by_key(params) -> dict[str, list[int]]:
 
 def test_01_through_a_launched_vllm_server_gives_the_local_backends_ids(ci_run, tmp_path):
     p = load_params(CI, {"output_root": str(tmp_path), "generate.backend": "vllm", "generate.vllm.launch": True,
-                         "generate.concurrency": 4})
+                         "generate.vllm.server.port": 0, "generate.concurrency": 4})
     s = run_generate(p, progress=False)
     assert s.status == "finished" and s.new_records == len(ids_by_key(ci_run))
     local, served = ids_by_key(ci_run), ids_by_key(p)

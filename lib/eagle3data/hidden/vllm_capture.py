@@ -230,7 +230,7 @@ class HiddenEngine(Engine):
             ledger[j.dataset].planned += 1
         super().__init__(HiddenBackend(params), jobs, base_url=base_url, settings=settings, ledger=ledger,
                          journal_dir=hidden_dir(params), run_dir=params.run_dir, done_keys=done_keys,
-                         budgets={}, progress=progress)
+                         budgets={}, progress=False)  # 04's own line below, not 01's
         import torch
 
         self.progress = Progress(progress, run_dir=params.run_dir, stage=STAGE)
