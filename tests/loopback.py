@@ -13,6 +13,11 @@ what is sent, then close), `eot` (content already holds the end-of-turn text), `
 (HTTP 200 with finish_reason "error"). A model mismatch is `LoopbackServer(model_path=...)`.
 vLLM only: `abort` (finish_reason "abort"), `prompt_changed` (prompt_token_ids differ from the
 prompt sent), `no_token_ids` (a server without return_token_ids: choices carry text only).
+vLLM with `hidden_states=fn` (ids -> [n, 4, H] tensor) and `hidden_dir`: each completion writes
+`<hidden_dir>/<id>.safetensors` (`hidden_states`, `token_ids`) under an exclusive flock on its `.lock`,
+as vLLM's hidden-states connector does, and names it in `kv_transfer_params.hidden_states_path`.
+Faults: `hs_lost` (the path is named, nothing is written), `hs_locked` (the lock is taken and never
+released), `die` (the server closes its socket and every connection, answering nothing: a dead server).
 OpenRouter only: a request with `logprobs: true` gets `choices[0].logprobs` in the OpenAI shape
 (`content`: one `{token, logprob, bytes, top_logprobs}` per token, `refusal`: null; by default
 one entry per word of the content); `server.chat_script` (request -> dict) can set the answer's
@@ -83,6 +88,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.t = transport  # type: ignore[assignment]
+        self.server.transports.add(transport)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -306,6 +312,10 @@ class LoopbackServer:
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
         self._bodies: list[bytes] | None = None
+        self.hidden_states: Any = None  # vLLM kind: ids -> [n, 4, H] states written as the connector does
+        self.hidden_dir: Any = None
+        self.held_locks: list[int] = []  # `hs_locked`: descriptors holding a lock never released
+        self.transports: set[Any] = set()
 
     @property
     def base_url(self) -> str:
@@ -410,6 +420,11 @@ class LoopbackServer:
             return conn.conn.goaway(conn.stream_id)
         if fault == "malformed":
             return self._later(self._delay(), conn.send, 200, b'{"choices": [{"message": {"content": "ab')
+        if fault == "die":  # stops listening and drops every connection: nothing is answered from now on
+            self._server.close()
+            for t in list(self.transports):
+                t.abort()
+            return
         self.served += 1
         out = self._answer(req, fault)
         self._later(self._delay(), conn.send, 200, out, None, fault == "truncated")
@@ -469,10 +484,36 @@ class LoopbackServer:
                 choice["prompt_token_ids"] = list(p) + ([0] if fault == "prompt_changed" else [])
             choices.append(choice)
             pt, ct = pt + len(p), ct + len(body)
-        return orjson.dumps({"id": f"{self.id_prefix}-cmpl-{self.rng.getrandbits(48):x}", "object": "text_completion",
-                             "created": int(time.time()), "model": req.get("model"), "choices": choices,
-                             "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
-                                       "prompt_tokens_details": None}})
+        rid = f"{self.id_prefix}-cmpl-{self.rng.getrandbits(48):x}"
+        answer = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.get("model"),
+                  "choices": choices, "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct,
+                                                "prompt_tokens_details": None}}
+        if self.hidden_states is not None:
+            answer["kv_transfer_params"] = {"hidden_states_path": self._write_states(rid, ids, fault)}
+        return orjson.dumps(answer)
+
+    def _write_states(self, rid: str, ids: list[int], fault: str | None) -> str:
+        """Write one request's states as vLLM's connector does (file under an exclusive flock); its path."""
+        import fcntl
+        import os
+
+        import torch
+        from safetensors.torch import save_file
+
+        path = str(self.hidden_dir / f"{rid}.safetensors")
+        if fault == "hs_lost":
+            return path
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if fault == "hs_locked":
+            self.held_locks.append(fd)
+            return path
+        try:
+            save_file({"hidden_states": self.hidden_states(ids).contiguous(),
+                       "token_ids": torch.tensor(ids, dtype=torch.long)}, path)
+        finally:
+            os.close(fd)
+        return path
 
     def _openai(self, req: dict[str, Any] | None, fault: str | None) -> bytes:
         lo, hi = self.body_bytes

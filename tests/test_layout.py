@@ -23,6 +23,10 @@ ALLOWED = {("eagle3data.core.params", "eagle3data.prompts.formats"):
            ("eagle3data.core.params", "eagle3data.trainers.registry"):
            "params validate a layout or trainer name, and its final state, against the one registry of trainers"}
 MAX_LINES = 600
+# modules the vLLM server loads in its own venv (engine side), with the reason: they import no eagle3data,
+# and nothing in eagle3data imports them (the project's import path never needs vllm)
+ENGINE_SIDE = {"eagle3data.hidden.engine.cpu_hidden_states":
+               "the CPU build's hidden-states connector, loaded by `kv_connector_module_path` (hidden/vllm_capture.py)"}
 # public names kept for users although nothing in the project calls them, with the reason
 PUBLIC_API = {"register_tokenizer": "the tokenizer plug-in hook (EAGLE3DATA_PLUGINS, docs/01)",
               "load_draft_vocab": "reads back the draft_vocab.safetensors 05 writes (docs/05)"}
@@ -251,3 +255,15 @@ def test_the_librarys_own_imports_sit_at_the_top_of_each_module():
             if isinstance(n, ast.ImportFrom) and id(n) not in top and (n.level or (n.module or "").startswith("eagle3data")):
                 late.append(f"{p.relative_to(LIB)}:{n.lineno}")
     assert not late, f"eagle3data imports inside functions (no cycle needs them): {late}"
+
+
+def test_engine_side_modules_are_the_servers_alone():
+    graph = _imports()
+    for mod in ENGINE_SIDE:
+        assert mod in graph, f"{mod} is listed in ENGINE_SIDE but does not exist"
+        assert not graph[mod], f"{mod} runs in the engine venv: it may import no eagle3data ({graph[mod]})"
+        users = sorted(m for m, deps in graph.items() if mod in deps)
+        assert not users, f"{mod} is the server's (vllm only there): imported by {users}"
+    engine_only = [m for m, p in _modules().items() if m not in ENGINE_SIDE and re.search(
+        r"^\s*(from|import) vllm\b", p.read_text(encoding="utf-8"), re.M)]
+    assert not engine_only, f"modules importing vllm outside ENGINE_SIDE: {engine_only}"

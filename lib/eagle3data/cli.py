@@ -29,6 +29,7 @@ import orjson
 from eagle3data.audit.report import render_report
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import load_params
+from eagle3data.core.profiles import get_profile
 from eagle3data.core.runlock import LAUNCH_ENV, hold_run, new_launch_id
 from eagle3data.generate.ledger import ledger_frame, read_ledger
 from eagle3data.headless import (STOP_FILE, RunControl, StageWatch, _cell_error, _find_run_dir,
@@ -239,6 +240,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from eagle3data.generate.run import run_generate  # the stage's stack (tokenizers, HTTP clients) only for this command
 
     params = load_params(args.params, dict(args.p or []))
+    if args.print_engine_command:
+        return print_engine_command(params, "01_generate")
     problems = ready_problems(params, ["01_generate"])
     if problems:
         raise UserError("; ".join(problems))
@@ -256,6 +259,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
     1 when the store fails validation; every rank prints its own line, the progress line is rank 0's.
     """
     params = load_params(args.params, dict(args.p or []))
+    if args.print_engine_command:
+        return print_engine_command(params, "04_extract_hidden")
     problems = ready_problems(params, ["04_extract_hidden"])
     if problems:
         raise UserError("; ".join(problems))
@@ -279,8 +284,36 @@ def _extract(args: argparse.Namespace, params: Any) -> int:
         print(f"index merged: {len(res.index)} samples; validation problems: "
               f"{'skipped' if res.validation is None else len(res.validation.problems)}")
         return 0 if res.validation is None or res.validation.ok else 1
+    if res.stats.get("failed"):  # vLLM backend: samples whose reply or file was wrong (resume sends them again)
+        for f in res.stats["failures"]:
+            print(f"failed {f['key']}: {f['error']}")
+        print(f"{res.stats['failed']} samples failed (hidden/vllm_ledger.json); run again to retry them")
+        return 1
     print(f"rank {res.rank}: done; {res.waiting_for} samples of other workers not stored yet "
           "(the last worker to finish merges the index)")
+    return 0
+
+
+def print_engine_command(params: Any, stage: str) -> int:
+    """Print the vLLM server command a stage launches (`launch: true`), to start it by hand elsewhere."""
+    from eagle3data.generate.backends.vllm_server import server_command  # the launcher only for this flag
+
+    if stage == "01_generate":
+        if params.generate.backend != "vllm":
+            raise UserError("--print-engine-command: generate.backend is not vllm")
+        print(server_command(params, params.generate.vllm, stage="generate").shell())
+        return 0
+    from eagle3data.hidden.extract import layer_plan, load_config
+    from eagle3data.hidden.vllm_capture import hidden_command
+
+    if params.hidden.backend != "vllm":
+        raise UserError("--print-engine-command: hidden.backend is not vllm")
+    try:
+        layers = layer_plan(params, load_config(params))
+    except (OSError, ValueError):  # the model folder is on the server's machine only: the profile's layer count
+        layers = get_profile(params.profile).aux_layers()
+        print(f"# model config not readable here: layers from profile {params.profile!r}", file=sys.stderr)
+    print(hidden_command(params, layers).shell())
     return 0
 
 
@@ -327,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("params", help="params YAML")
     g.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
     g.add_argument("--quiet", action="store_true", help="no progress line")
+    g.add_argument("--print-engine-command", action="store_true",
+                   help="print the vLLM server command generate.vllm.launch starts, and exit")
     g.set_defaults(func=cmd_generate)
 
     x = sub.add_parser("extract", help="stage 04 headless, without papermill; one worker of `torchrun -m eagle3data "
@@ -334,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("params", help="params YAML")
     x.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"), help="override a param")
     x.add_argument("--merge-only", action="store_true", help="only merge the index and validate the store")
+    x.add_argument("--print-engine-command", action="store_true",
+                   help="print the vLLM server command hidden.vllm.launch starts (layer ids, connector), and exit")
     x.set_defaults(func=cmd_extract)
 
     a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")

@@ -19,7 +19,7 @@ import pandas as pd
 from eagle3data.audit.idtable import IdTable
 from eagle3data.core.profiles import Profile
 from eagle3data.core.params import ReconstructParams
-from eagle3data.core.reader import SampleKey, supersede_rule
+from eagle3data.core.reader import COMPLETED, SampleKey, supersede_codes
 from eagle3data.core.spans import output_texts
 from eagle3data.core.stats import calibrated_offset
 from eagle3data.generate.turns import assistant_message
@@ -91,20 +91,28 @@ CHECK_NAMES: list[str] = [c.name for c in _CHECK_LIST]
 _CHUNK = 1 << 18  # elements per step of the scans: the temporaries stay in the CPU cache
 
 
-def _band_scan(ids: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, int]:
-    """One pass over ids: positions of ids in [lo, hi], and the array's min and max (for the vocab check).
+def _unsigned(ids: np.ndarray) -> tuple[np.ndarray, type]:
+    """ids as int32/int64 and the unsigned type of the same width (a negative id reads as a huge one)."""
+    if ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    return ids, (np.uint32 if ids.dtype == np.int32 else np.uint64)
+
+
+def _band_scan(ids: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
+    """One pass over ids: positions of ids in [lo, hi], and the largest id read as unsigned (for the vocab
+    check: every id is in [0, vocab) exactly when that is below vocab).
 
     `(id - lo)` read as unsigned is at most `hi - lo` exactly for ids in the band (the
     subtraction wraps the rest out of it), so the band costs one subtraction and one compare.
     """
     if len(ids) == 0:
-        return np.zeros(0, np.int64), 0, -1
-    if ids.dtype not in (np.int32, np.int64) or not (np.iinfo(ids.dtype).min <= lo <= hi <= np.iinfo(ids.dtype).max):
-        ids = ids.astype(np.int64)
-    udt = np.uint32 if ids.dtype == np.int32 else np.uint64
+        return np.zeros(0, np.int64), 0
+    ids, udt = _unsigned(ids)
+    if not (np.iinfo(ids.dtype).min <= lo <= hi <= np.iinfo(ids.dtype).max):
+        ids, udt = ids.astype(np.int64), np.uint64
     n = min(_CHUNK, len(ids))
     diff, mask = np.empty(n, ids.dtype), np.empty(n, bool)
-    hits, lo_all, hi_all = [], None, None
+    hits, top = [], 0
     for s in range(0, len(ids), _CHUNK):
         a = ids[s : s + _CHUNK]
         d, m = diff[: len(a)], mask[: len(a)]
@@ -113,29 +121,33 @@ def _band_scan(ids: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, int]
         h = np.flatnonzero(m)
         if len(h):
             hits.append(h + s)
-        amin, amax = a.min(), a.max()
-        lo_all = amin if lo_all is None else min(lo_all, amin)
-        hi_all = amax if hi_all is None else max(hi_all, amax)
-    return (np.concatenate(hits) if hits else np.zeros(0, np.int64)), int(lo_all), int(hi_all)
+        top = max(top, int(a.view(udt).max()))
+    return (np.concatenate(hits) if hits else np.zeros(0, np.int64)), top
 
 
 def _events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]
-            ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int, int]:
-    """special_events plus the id array's min and max from the same pass."""
+            ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int]:
+    """special_events plus the largest id read as unsigned, from the same pass."""
     if not codes or len(ids) == 0:
         e = np.zeros(0, np.int64)
-        lo_all, hi_all = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
-        return (e, e.copy(), e.copy()), lo_all, hi_all
+        return (e, e.copy(), e.copy()), _unsigned_max(ids)
     lo, hi = min(codes), max(codes)
     lut = np.zeros(hi - lo + 1, np.int16)
     for tid, c in codes.items():
         lut[tid - lo] = c
-    pos, lo_all, hi_all = _band_scan(ids, lo, hi)
+    pos, top = _band_scan(ids, lo, hi)
     code = lut[ids[pos] - lo].astype(np.int64)
     keep = code > 0
     pos, code = pos[keep], code[keep]
     rec = np.searchsorted(off, pos, side="right") - 1
-    return (rec, pos - off[rec], code), lo_all, hi_all
+    return (rec, pos - off[rec], code), top
+
+
+def _unsigned_max(ids: np.ndarray) -> int:
+    if len(ids) == 0:
+        return 0
+    ids, udt = _unsigned(ids)
+    return int(ids.view(udt).max())
 
 
 def special_events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,14 +159,12 @@ def special_events(ids: np.ndarray, off: np.ndarray, codes: dict[int, int]) -> t
     return _events(ids, off, codes)[0]
 
 
-def _out_of_range(ids: np.ndarray, off: np.ndarray, vocab: int, lo_hi: tuple[int, int] | None = None) -> np.ndarray:
-    """Per record: any id outside [0, vocab). Whole-array min/max first; the slow path only on a hit."""
+def _out_of_range(ids: np.ndarray, off: np.ndarray, vocab: int, top: int | None = None) -> np.ndarray:
+    """Per record: any id outside [0, vocab). The largest id read as unsigned first (`top`, from the
+    scan when given); the slow path only on a hit."""
     n = len(off) - 1
     bad = np.zeros(n, bool)
-    if len(ids) == 0:
-        return bad
-    lo, hi = lo_hi if lo_hi is not None else (ids.min(), ids.max())
-    if lo >= 0 and hi < vocab:
+    if len(ids) == 0 or (top if top is not None else _unsigned_max(ids)) < vocab:
         return bad
     pos = np.flatnonzero((ids < 0) | (ids >= vocab))
     bad[np.unique(np.searchsorted(off, pos, side="right") - 1)] = True
@@ -179,9 +189,9 @@ def structural_checks(table: IdTable, profile: Profile) -> tuple[dict[str, np.nd
     """The id checks on every record at once; returns status arrays per check and positions."""
     n = len(table)
     L = table.output_len
-    fr = table.meta["finish_reason"].to_numpy(dtype=object)
-    trunc = fr == "length"
-    usable = table.has_output & ((fr == "stop") | trunc)
+    fr = table.meta["finish_reason"]
+    trunc = (fr == "length").to_numpy(dtype=bool)
+    usable = table.has_output & ((fr == "stop").to_numpy(dtype=bool) | trunc)
     ids, off = table.output, table.output_off
 
     names: list[tuple[str, int]] = [("eot", profile.end_of_turn.id)]
@@ -199,7 +209,7 @@ def structural_checks(table: IdTable, profile: Profile) -> tuple[dict[str, np.nd
                 tool_names.append(nm)
     code_of = {nm: i + 1 for i, (nm, _) in enumerate(names)}
     K = len(names) + 1
-    (rec, rel, code), ids_lo, ids_hi = _events(ids, off, {tid: code_of[nm] for nm, tid in names})
+    (rec, rel, code), ids_top = _events(ids, off, {tid: code_of[nm] for nm, tid in names})
 
     counts = np.bincount(rec * K + code, minlength=n * K).reshape(n, K) if n else np.zeros((0, K), np.int64)
     first = np.full((n, K), -1, np.int64)
@@ -295,15 +305,15 @@ def structural_checks(table: IdTable, profile: Profile) -> tuple[dict[str, np.nd
         elif bm.any():
             sections = pd.DataFrame({"record": trec[bm], "begin": trel[bm], "end": trel[bm]})
 
-    oov = _out_of_range(ids, off, profile.vocab_size, (ids_lo, ids_hi))
+    oov = _out_of_range(ids, off, profile.vocab_size, ids_top)
     st["output.ids_in_vocab"] = status(oov)
     poov = _out_of_range(table.prompt, table.prompt_off, profile.vocab_size)
     s = np.where(poov, FAIL, PASS).astype(np.int8)
     s[~table.has_prompt] = NA
     st["prompt.ids_in_vocab"] = s
 
-    tok_name = {c: nm for nm, c in code_of.items()}
-    events = pd.DataFrame({"record": rec, "pos": rel, "token": [tok_name[c] for c in code.tolist()]})
+    events = pd.DataFrame({"record": rec, "pos": rel,
+                           "token": pd.Categorical.from_codes(code - 1, categories=[nm for nm, _ in names])})
     pos = Positions(f_close, f_eot, n_close, n_eot, n_open, rstart, sections, events)
     return st, pos
 
@@ -365,7 +375,7 @@ def suffix_check(table: IdTable, suffix: Sequence[int]) -> np.ndarray:
 
 
 def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
-    """Two completed records for one key (`reader.supersede_rule`); identical outputs for different prompts.
+    """Two completed records for one key (the supersede rule, `reader.supersede_codes`); identical outputs for different prompts.
 
     `table` holds one row per key (`runtable.split_superseded`); its meta column `duplicate`
     marks the records of keys with another completed line. A table read without the rule
@@ -376,10 +386,9 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
     if "duplicate" in meta:
         dup = meta["duplicate"].to_numpy(dtype=bool)
     else:
-        keys = SampleKey.of_frame(meta)
-        is_record, d = supersede_rule(keys, meta["finish_reason"].tolist())
-        done = meta["finish_reason"].isin(["stop", "length"]).to_numpy()
-        dup = np.asarray(d, bool) | (~np.asarray(is_record, bool) & done)
+        done = meta["finish_reason"].isin(COMPLETED).to_numpy(dtype=bool)
+        is_record, d = supersede_codes(SampleKey.codes_of_frame(meta), done)
+        dup = d | (~is_record & done)
     st = {"dataset.unique_sample_id": np.where(dup, FAIL, PASS).astype(np.int8)}
 
     L = table.output_len
@@ -392,8 +401,11 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
         # only they are compared in full below
         rows = np.flatnonzero(usable)
         start, span = off[:-1][rows], L[rows] - 1
-        sig = pd.DataFrame({"L": L[rows]} | {f"at{k}": ids[start + span * k // 8] for k in range(9)}, index=rows)
-        cand = sig.index[sig.duplicated(keep=False)].to_numpy()
+        with np.errstate(over="ignore"):  # a hash of the length and 9 ids: equal rows hash alike; a collision
+            sig = L[rows].astype(np.uint64)  # only adds a candidate, compared in full below
+            for k in range(9):
+                sig = sig * np.uint64(0x9E3779B97F4A7C15) + ids[start + span * k // 8].astype(np.uint64)
+        cand = rows[pd.Series(sig).duplicated(keep=False).to_numpy()]
         if len(cand):
             oh = [hash(table.output_ids(i).astype(np.int64).tobytes()) for i in cand]
             ph = [hash(table.prompt_ids(i).astype(np.int64).tobytes()) if table.has_prompt[i]

@@ -3,7 +3,7 @@
 `load_run` reads every journal of a run (`idtable.read_journal`) and joins the tables
 (`concat_tables`); `merge_reconstruct` fills the ids of API records from 02's
 `reconstruct/<dataset>.jsonl` with each record's proof level; `split_superseded` keeps the
-one record per key that `reader.supersede_rule` chooses (keys by `SampleKey.of_frame`) and
+one record per key that the supersede rule chooses (`reader.supersede_codes` on `SampleKey.codes_of_frame`) and
 lists the superseded lines; `take_records` is a table of some rows only.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from eagle3data.audit.idtable import META_COLUMNS, AuditInputError, IdTable, read_journal, take_rows
-from eagle3data.core.reader import RunFileError, SampleKey, read_rebuilt, supersede_rule
+from eagle3data.core.reader import COMPLETED, RunFileError, SampleKey, read_rebuilt, supersede_codes
 
 
 def concat_tables(tables: Sequence[IdTable]) -> IdTable:
@@ -120,26 +120,31 @@ def take_records(table: IdTable, rows: np.ndarray) -> IdTable:
 
 
 def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
-    """(the records: one row per key by `reader.supersede_rule`, with meta column `duplicate`; the superseded lines).
+    """(the records: one row per key by `reader.supersede_codes`, with meta column `duplicate`; the superseded lines).
 
     The superseded frame lists each replaced line (dataset, sample_id, finish_reason, file,
-    line) and the line of the record that replaced it (`record_line`).
+    line) and the line of the record that replaced it (`record_line`). Keys are coded once
+    (`SampleKey.codes_of_frame`); nothing here works row by row.
     """
     m = table.meta
-    keys = SampleKey.of_frame(m)
-    is_record, dup = supersede_rule(keys, m["finish_reason"].tolist())
-    rec_rows = np.flatnonzero(np.asarray(is_record, bool))
-    old_rows = np.flatnonzero(~np.asarray(is_record, bool))
-    line_of = {keys[i]: m["line"].iat[i] if "line" in m else None for i in rec_rows.tolist()}
+    codes = SampleKey.codes_of_frame(m)
+    is_record, dup = supersede_codes(codes, m["finish_reason"].isin(COMPLETED).to_numpy(dtype=bool))
+    rec_rows = np.flatnonzero(is_record)
+    old_rows = np.flatnonzero(~is_record)
     cols = ["dataset", "sample_id", "finish_reason", "file", "line"]
     sup = m.iloc[old_rows][[c for c in cols if c in m]].reset_index(drop=True)
-    sup["record_line"] = [line_of[keys[i]] for i in old_rows.tolist()]
     if len(old_rows) == 0:
-        out = table
-        out.meta["duplicate"] = np.asarray(dup, bool)
-        return out, sup
+        sup["record_line"] = pd.Series(dtype=object)
+        table.meta["duplicate"] = dup
+        return table, sup
+    if "line" in m:
+        record_of = np.zeros(int(codes.max()) + 1, np.int64)
+        record_of[codes[rec_rows]] = rec_rows
+        sup["record_line"] = m["line"].to_numpy()[record_of[codes[old_rows]]]
+    else:
+        sup["record_line"] = None
     out = take_records(table, rec_rows)
-    out.meta["duplicate"] = np.asarray(dup, bool)[rec_rows]
+    out.meta["duplicate"] = dup[rec_rows]
     return out, sup
 
 

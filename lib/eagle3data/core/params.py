@@ -86,13 +86,61 @@ class SGLangParams(Strict):
     check_model: bool = Field(True, description="Refuse to start if /get_model_info names another model.")
 
 
+class VLLMServerParams(Strict):
+    """A vLLM server the project starts on this machine (`launch: true`; `generate/backends/vllm_server.py`)."""
+
+    python: str = Field(".engine/bin/python", description="Python of the engine venv (`make engine`; relative paths "
+                                                          "from the repository root).")
+    host: str = Field("127.0.0.1", description="Address the server listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the server listens on (0: a free port).")
+    tensor_parallel_size: int = Field(1, gt=0, description="`--tensor-parallel-size` (GPUs per server).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="`--dtype` (None: model.dtype).")
+    max_model_len: int | None = Field(None, gt=0, description="`--max-model-len` (None: model.max_context).")
+    kv_cache_space_gb: float | None = Field(
+        2.0, gt=0, description="CPU build: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); None: vLLM's default.")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="`--gpu-memory-utilization` (CUDA).")
+    enforce_eager: bool = Field(True, description="`--enforce-eager`: no torch.compile/CUDA graphs (starts in ~20 s "
+                                                  "on CPU instead of ~130 s).")
+    connector: Literal["auto", "cpu", "stock"] = Field(
+        "auto", description="04: the hidden-states connector: `cpu` (the project's, for vLLM's CPU build), `stock` "
+                            "(vLLM's ExampleHiddenStatesConnector, CUDA); auto: cpu when model.device is cpu.")
+    start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for the server's /health after starting it.")
+    extra_args: list[str] = Field(default_factory=list, description="More `api_server` flags, as given.")
+
+
 class VLLMParams(Strict):
-    base_url: str = Field(description="vLLM OpenAI-compatible server URL with its /v1, e.g. http://127.0.0.1:8000/v1.")
+    base_url: str | None = Field(
+        None, description="vLLM OpenAI-compatible server URL with its /v1, e.g. http://127.0.0.1:8000/v1 (None with "
+                          "`launch`: the started server's).")
+    launch: bool = Field(False, description="Start a vLLM server on this machine for the run (`server`), stop it after.")
+    server: VLLMServerParams = Field(default_factory=VLLMServerParams, description="The server `launch` starts.")
     model: str | None = Field(
         None, description="Served model name sent as `model` (None = the one model GET /v1/models lists)."
     )
     batch_size: int = Field(1, gt=0, le=256, description="Prompts per /completions request (a list of id lists).")
     check_model: bool = Field(True, description="Refuse to start if /v1/models names another model.")
+
+    @model_validator(mode="after")
+    def _url_or_launch(self) -> "VLLMParams":
+        if self.base_url is None and not self.launch:
+            raise ValueError("a vLLM server needs `base_url` (a running one) or `launch: true` (one started here)")
+        return self
+
+
+class HiddenVLLMParams(VLLMParams):
+    """04 through a vLLM server: `extract_hidden_states` + a hidden-states connector (docs/04 Which backend)."""
+
+    batch_size: int = Field(1, gt=0, le=1, description="One sample per request (its file holds one sample).")
+    concurrency: int = Field(32, gt=0, le=10000, description="Requests in flight at most.")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(3, ge=0, description="Retries on 408/5xx/connection errors before the sample fails.")
+    lock_timeout_s: float = Field(120.0, gt=0, description="Longest wait for a reply's hidden-states file and its "
+                                                           "lock to be released.")
+    files_dir: str | None = Field(
+        None, description="Where a launched server writes its per-request files (None: `<hidden>/engine_files/`). "
+                          "A server started elsewhere writes where its own connector config says: this machine must "
+                          "read that path.")
 
 
 class ProviderRouting(Strict):
@@ -194,7 +242,7 @@ class GenerateParams(Strict):
         if self.backend == "sglang" and self.sglang is None:
             raise ValueError("backend 'sglang' needs a `generate.sglang` section (base_url)")
         if self.backend == "vllm" and self.vllm is None:
-            raise ValueError("backend 'vllm' needs a `generate.vllm` section (base_url)")
+            raise ValueError("backend 'vllm' needs a `generate.vllm` section (base_url, or launch: true)")
         if self.backend == "openai" and self.openai is None:
             raise ValueError("backend 'openai' needs a `generate.openai` section (base_url, model)")
         return self
@@ -243,6 +291,10 @@ class AuditParams(Strict):
 
 class HiddenParams(Strict):
     enabled: bool = Field(True, description="Run 04_extract_hidden.")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="Who computes the states: `hf` (a transformers forward with hooks, torchrun ranks) or "
+                          "`vllm` (a vLLM server's extract_hidden_states: the engine for targets HF cannot run).")
+    vllm: HiddenVLLMParams | None = Field(None, description="Settings for backend `vllm` (base_url, or launch: true).")
     batch_tokens: int = Field(4096, gt=0, description="Token budget per forward batch (padded size).")
     shard_bytes: int = Field(512 * 2**20, gt=0, description="Target size of one safetensors shard.")
     include_failed: bool = Field(False, description="Also extract records that failed the audit.")
@@ -312,6 +364,12 @@ class HiddenParams(Strict):
     final_storage: Literal["same", "bf16", "fp8_e4m3", "int8"] = Field(
         "same", description="The final state(s)' own storage (same = `storage`), e.g. bf16 final with 8-bit aux layers."
     )
+
+    @model_validator(mode="after")
+    def _backend_settings_present(self) -> "HiddenParams":
+        if self.backend == "vllm" and self.vllm is None:
+            raise ValueError("backend 'vllm' needs a `hidden.vllm` section (base_url, or launch: true)")
+        return self
 
     @field_validator("layout")
     @classmethod

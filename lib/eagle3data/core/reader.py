@@ -1,7 +1,8 @@
 """The one reader of a run: its journals, 02's rebuilt ids and 03's verdicts, under one key.
 
 Every stage after 01 reads a run through here (03 reads the journals' ids through its fast
-array reader, `audit.idtable`, and applies the same rule with `supersede_rule` in `audit.runtable`):
+array reader, `audit.idtable`, and applies the same rule on arrays, `supersede_codes` on
+`SampleKey.codes_of_frame`, in `audit.runtable`):
 
 - **One key.** A sample is `SampleKey.of(row)`, written `dataset/sample_id` (`#turn` for a turn).
 - **The latest journal line per key is the record** (its latest *completed* line when an
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import orjson
 
 from eagle3data.core.errors import UserInputError
@@ -85,6 +87,76 @@ class SampleKey(str):
             return [cls._make(str(d), str(s), None) for d, s in zip(frame["dataset"], frame["sample_id"])]
         return [cls._make(str(d), str(s), _turn(t)) for d, s, t in zip(frame["dataset"], frame["sample_id"], turns)]
 
+    @classmethod
+    def codes_of_frame(cls, frame: Any) -> np.ndarray:
+        """The keys of a table's rows as one int64 array, in one pass per column: rows i and j get one code
+        exactly when `of_frame(frame)[i] == of_frame(frame)[j]` (codes 0, 1, ... in order of first appearance).
+
+        `of`'s parts are coded column by column (the dataset's and the sample_id's text, the turn or none)
+        and combined; where two different parts could spell one key (a `/` in a dataset name, a `#` in a
+        sample_id beside turns) the table is coded by `of_frame`'s keys themselves."""
+        import pandas as pd  # lazily: 01 reads keys one row at a time and needs no pandas
+
+        n = len(frame["dataset"])
+        if n == 0:
+            return np.zeros(0, np.int64)
+        ds, ds_names = pd.factorize(_text_values(frame["dataset"]), use_na_sentinel=False)
+        sid, sid_names = pd.factorize(_text_values(frame["sample_id"]), use_na_sentinel=False)
+        has_turn, turn = _turn_values(frame["turn"]) if "turn" in frame else (np.zeros(n, bool), np.zeros(n, np.int64))
+        if any("/" in str(d) for d in ds_names) or (
+                has_turn.any() and pd.Series(sid_names, dtype=object).astype(str).str.contains("#", regex=False).any()):
+            return pd.factorize(np.asarray(cls.of_frame(frame), dtype=object))[0].astype(np.int64)
+        code = _pair_codes(ds, sid)
+        if not has_turn.any():
+            return code
+        return _pair_codes(_pair_codes(code, has_turn.astype(np.int64)), pd.factorize(turn)[0])
+
+
+def _text_values(col: Any) -> Any:
+    """A key column as values that are equal exactly when their `str` is: integers and booleans as they
+    are (one text each), strings as they are, anything else as its text."""
+    import pandas as pd
+
+    if isinstance(col, pd.Series) and isinstance(col.dtype, pd.StringDtype) and not col.hasnans:
+        return col
+    arr = np.asarray(col)
+    if arr.dtype.kind in "iub":
+        return arr
+    arr = arr.astype(object)
+    if pd.api.types.infer_dtype(arr, skipna=False) == "string":
+        return arr
+    return np.asarray([str(x) for x in arr], dtype=object)
+
+
+def _turn_values(col: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(has a turn, the turn or 0) per row of a turn column, by `_turn`'s rule."""
+    import pandas as pd
+
+    arr = np.asarray(col)
+    if arr.dtype.kind in "iu":
+        return np.ones(len(arr), bool), arr.astype(np.int64)
+    if arr.dtype.kind == "f":  # NaN is none; int() of a float truncates, as astype does
+        has = ~np.isnan(arr)
+        return has, np.where(has, arr, 0).astype(np.int64)
+    arr = arr.astype(object)
+    has = ~pd.isna(arr)
+    turn = np.zeros(len(arr), np.int64)
+    if has.any():
+        turn[has] = [int(t) for t in arr[has]]
+    return has, turn
+
+
+def _pair_codes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One code per distinct (a, b) pair of two code arrays (values 0..n)."""
+    import pandas as pd
+
+    a, b = a.astype(np.int64, copy=False), b.astype(np.int64, copy=False)
+    if int(b.max()) == 0:  # codes are numbered in order of first appearance: one value adds nothing
+        return a
+    if int(a.max()) == 0:
+        return b
+    return pd.factorize(a * (int(b.max()) + 1) + b)[0].astype(np.int64)
+
 
 def _turn(t: Any) -> int | None:
     """A row's turn: None for none, NaN or pandas' NA (a turn column of a table whose other rows are turns)."""
@@ -114,20 +186,31 @@ def supersede_rule(keys: Sequence[Any], finish_reasons: Sequence[Any]) -> tuple[
     A key's record is its latest completed line (stop or length), or its latest line when none
     completed; every other line of the key is superseded (a retried error, or an error written
     after a response, never replaces the response). The record is a real duplicate when
-    another line of its key completed too (two responses for one sample).
+    another line of its key completed too (two responses for one sample). `supersede_codes`
+    on the keys' codes.
     """
-    last: dict[Any, int] = {}
-    last_done: dict[Any, int] = {}
-    done_count: dict[Any, int] = {}
-    for i, (k, fr) in enumerate(zip(keys, finish_reasons)):
-        last[k] = i
-        if fr in COMPLETED:
-            last_done[k] = i
-            done_count[k] = done_count.get(k, 0) + 1
-    chosen = {k: last_done.get(k, i) for k, i in last.items()}
-    is_record = [chosen[k] == i for i, k in enumerate(keys)]
-    dup = [is_record[i] and done_count.get(k, 0) > 1 for i, k in enumerate(keys)]
-    return is_record, dup
+    first: dict[Any, int] = {}
+    codes = np.fromiter((first.setdefault(k, len(first)) for k in keys), np.int64)
+    is_record, dup = supersede_codes(codes, np.asarray([fr in COMPLETED for fr in finish_reasons], bool))
+    return is_record.tolist(), dup.tolist()
+
+
+def supersede_codes(codes: np.ndarray, completed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The supersede rule on arrays: per line its key's code (`SampleKey.codes_of_frame`) and whether it
+    completed (stop or length) -> (is the key's record, is a real duplicate's record), boolean arrays."""
+    n = len(codes)
+    if n == 0:
+        return np.zeros(0, bool), np.zeros(0, bool)
+    k = int(codes.max()) + 1
+    line = np.arange(n, dtype=np.int64)
+    last = np.full(k, -1, np.int64)
+    np.maximum.at(last, codes, line)
+    last_done = np.full(k, -1, np.int64)
+    np.maximum.at(last_done, codes[completed], line[completed])
+    chosen = np.where(last_done >= 0, last_done, last)
+    is_record = chosen[codes] == line
+    done_count = np.bincount(codes[completed], minlength=k)
+    return is_record, is_record & (done_count[codes] > 1)
 
 
 # ---------------------------------------------------------------- files beside the journal

@@ -53,6 +53,7 @@ from eagle3data.generate.backends.engine import Engine, EngineSettings, Generate
 from eagle3data.generate.backends.openai_api import OpenAIBackend
 from eagle3data.generate.backends.sglang import SGLangBackend
 from eagle3data.generate.backends.vllm import VLLMBackend
+from eagle3data.generate.backends.vllm_server import VLLMServer, server_command
 from eagle3data.generate.ledger import DatasetLedger, ledger_frame, provider_frame, write_ledger
 from eagle3data.generate.local import _run_local
 from eagle3data.generate.plan import RunPlan, _report_resume, _take_turn, _too_long, plan_run
@@ -150,6 +151,11 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
         backend: Any = SGLangBackend(params, profile, tokenizer)
         base_url, credit_poll = g.sglang.base_url, 1e9
     elif g.backend == "vllm":
+        if g.vllm.launch:  # a server started here for this run, stopped when it ends (vllm_server.py)
+            with VLLMServer(server_command(params, g.vllm, stage="generate"), progress=progress) as srv:
+                return _run_http(params.model_copy(update={"generate": g.model_copy(update={
+                    "vllm": g.vllm.model_copy(update={"launch": False, "base_url": srv.base_url})})}),
+                    plan, profile, tokenizer, progress)
         backend = VLLMBackend(params, profile, tokenizer)
         base_url, credit_poll = g.vllm.base_url, 1e9
     else:

@@ -48,6 +48,7 @@ from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Valida
                                      index_rows, open_writer, scan_shards, state_names, validate_store, write_index)
 from eagle3data.core.provenance import write_provenance
 from eagle3data.core.quant import StateCodec
+from eagle3data.hidden.vllm_capture import capture_vllm, engine_layer_ids
 
 STAGE = "04_extract_hidden"
 
@@ -330,7 +331,9 @@ class ExtractPlan:
         lay, hp = self.layers, self.params.hidden
         return (f"{lay.num_layers} decoder layers: HF hidden_states index {list(lay.hf_indices)} "
                 f"= outputs of layers {list(lay.layer_outputs)}, then the final state: {hp.final_state} "
-                f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {hp.layout}")
+                f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {hp.layout}"
+                + (f"; vLLM layer ids {engine_layer_ids(lay)} (id {lay.num_layers} = pre_norm; post_norm = the "
+                   "final RMSNorm on it in fp32)" if hp.backend == "vllm" else ""))
 
     def context_line(self) -> str:
         """The context limit the mix was built with, and what it dropped."""
@@ -358,7 +361,7 @@ def plan_extract(params: RunParams, *, model: Any = None, load_model: bool = Tru
     layers = layer_plan(params, config)
     work = plan_work(params, mix, rank=rank, world_size=world)
     est = estimate_work(params, work, int(text_config(config).hidden_size), mix)
-    if model is None and load_model and work.todo and est.fits:
+    if model is None and load_model and work.todo and est.fits and params.hidden.backend == "hf":
         model = load_extract_model(params)
     if model is not None and work.todo and params.hidden.probe_batches > 0:
         seqs = [s.input_ids for _, s in work.todo]
@@ -475,15 +478,18 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
         "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
     }
-    if work.todo:
+    info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
+            "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
+            "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
+            "final_state": hp.final_state, "layout": hp.layout, "storage": hp.codec().as_dict(),
+            "mix_fingerprint": mix.manifest.get("fingerprint")}
+    if work.todo and hp.backend == "vllm":  # a vLLM server computes the states (vllm_capture.py); same writer
+        capture_vllm(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info), stats,
+                     layers=layers, config=config, progress=progress)
+    elif work.todo:
         if plan.model is None:  # a plan made without loading it
             plan.model = model if model is not None else load_extract_model(params)
         model = plan.model
-        info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
-                "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
-                "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
-                "final_state": hp.final_state, "layout": hp.layout, "storage": hp.codec().as_dict(),
-                "mix_fingerprint": mix.manifest.get("fingerprint")}
         with Capture(model, layers, _torch_dtype(hp.dtype), hp.final_state) as cap:
             seqs = [s.input_ids for _, s in work.todo]
             batches = plan_batches([len(x) for x in seqs], hp.batch_tokens)

@@ -31,11 +31,10 @@ from eagle3data.generate.backends.sglang import _norm, engine_sampling, model_na
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def served_model(listing: dict[str, Any], params: Any) -> tuple[str | None, dict[str, Any] | None]:
-    """(name to send as `model`, its /v1/models entry): the configured name, else the one listed."""
+def served_model(listing: dict[str, Any], params: Any, want: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """(name to send as `model`, its /v1/models entry): the configured name `want`, else the one listed."""
     data = listing.get("data") if isinstance(listing, dict) else None
     entries = [e for e in data if isinstance(e, dict) and e.get("id")] if isinstance(data, list) else []
-    want = params.generate.vllm.model
     if want is not None:
         return want, next((e for e in entries if e["id"] == want), None)
     if len(entries) == 1:
@@ -50,12 +49,13 @@ class VLLMBackend:
 
     source = "vllm"
     path = "/completions"
+    section = "generate.vllm"  # the params section its errors name
 
-    def __init__(self, params: Any, profile: Profile, tokenizer: Any):
+    def __init__(self, params: Any, profile: Profile, tokenizer: Any, settings: Any = None):
         self.params = params
         self.profile = profile
         self.tokenizer = tokenizer
-        self.v = params.generate.vllm
+        self.v = settings if settings is not None else params.generate.vllm  # 04's are hidden.vllm
         self.batch_size = self.v.batch_size
         s = params.generate.sampling
         self.base = {"max_tokens": s.max_new_tokens, "seed": s.seed, "return_token_ids": True,
@@ -82,11 +82,11 @@ class VLLMBackend:
             raise GenerateError(f"vLLM server {base}: /models is not JSON") from None
         listed = [e.get("id") for e in (listing.get("data") or []) if isinstance(e, dict)] \
             if isinstance(listing, dict) else []
-        name, entry = served_model(listing, self.params)
+        name, entry = served_model(listing, self.params, self.v.model)
         m = self.params.model
         if name is None or (self.v.model is not None and entry is None):
             raise GenerateError(f"vLLM server {base} lists models {listed}, none of them "
-                                f"{self.v.model or m.name!r}; set generate.vllm.model to the served name")
+                                f"{self.v.model or m.name!r}; set {self.section}.model to the served name")
         if self.v.check_model:
             ours = {_norm(m.name), _norm(m.path), _norm(m.tokenizer_path)} - {None}
             theirs = {_norm(entry.get("id")), _norm(entry.get("root"))} - {None}
@@ -94,7 +94,7 @@ class VLLMBackend:
                 raise GenerateError(
                     f"vLLM server {base} serves {entry.get('id')!r} (root {entry.get('root')!r}), but params name "
                     f"model {m.name!r} (path {m.path!r}); refusing to start: its ids would not match this "
-                    "tokenizer. Point generate.vllm.base_url at the right server, or fix `model` in params.")
+                    f"tokenizer. Point {self.section}.base_url at the right server, or fix `model` in params.")
         self.model_name = name
         return {"server_model": name, "server_model_root": entry.get("root"),
                 "server_max_model_len": entry.get("max_model_len"), "credit_left_usd": None}

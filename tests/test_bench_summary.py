@@ -1,0 +1,95 @@
+"""`make bench`'s summary: the README's performance table is the committed summary, and the comparison
+with it flags a figure that got worse beyond its spread (a planted 2x slowdown of one check included)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_module", REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+summary = _load("summary")
+
+
+def test_readme_table_is_the_committed_summary():
+    committed = json.loads(summary.COMMITTED.read_text())
+    readme = summary.README.read_text(encoding="utf-8")
+    assert summary.readme_table(readme) == summary.table(committed), \
+        "README's performance table differs from bench/summary.committed.json: run `python bench/summary.py readme`"
+    assert set(committed["figures"]) == {f.name for f in summary.SPEC}  # one row per figure of the spec
+    assert committed["commit"] != "unknown"
+
+
+def _audit_json(in_memory: float, rounds: list[float], e2e: float = 6.0, share: float = 0.05) -> dict:
+    return {"load_avg_1_5_15_at_start": [0.5, 0.5, 0.5],
+            "in_memory": {"speedup_vs_python_lists": in_memory, "speedup_per_round": rounds, "tokens_per_s": 7e8},
+            "end_to_end_jsonl": {"speedup": e2e, "speedup_per_round": [e2e, e2e * 0.97], "checks_over_parse": share}}
+
+
+def _summary_of(tmp_path: Path, name: str, data: dict, spec=None) -> dict:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "audit.json").write_text(json.dumps(data))
+    return summary.build(d, spec=spec or summary.SPEC)
+
+
+def test_comparison_flags_what_got_worse_beyond_its_spread(tmp_path):
+    base = _summary_of(tmp_path, "base", _audit_json(100.0, [100.0, 95.0, 92.0]))
+    r = base["figures"]["audit.in_memory"]
+    assert (r["ratio"], r["spread"], r["met"]) == (100.0, 0.08, True)
+    assert base["figures"]["local_generate"]["ratio"] is None and "not written" in base["figures"]["local_generate"]["missing"]
+    same = _summary_of(tmp_path, "same", _audit_json(93.0, [93.0, 90.0, 88.0]))  # 7% down: inside the 8% spread
+    assert summary.regressions(same, base) == []
+    half = _summary_of(tmp_path, "half", _audit_json(50.0, [50.0, 48.0, 47.0]))
+    found = summary.regressions(half, base)
+    assert len(found) == 1 and found[0].startswith("REGRESSION audit.in_memory: 50 against 100")
+    # a figure where lower is better: the checks' share of the parse doubling is a regression too
+    slow_checks = _summary_of(tmp_path, "share", _audit_json(100.0, [100.0, 95.0], share=0.1))
+    assert [x.split(":")[0] for x in summary.regressions(slow_checks, base)] == ["REGRESSION audit.checks_over_parse"]
+    # a figure from an earlier run (stale) is shown, never compared
+    half["figures"]["audit.in_memory"]["stale"] = True
+    assert summary.regressions(half, base) == []
+    assert "stale" in summary.table(half)
+
+
+def test_table_and_readme_markers_round_trip(tmp_path):
+    s = _summary_of(tmp_path, "s", _audit_json(80.0, [80.0, 76.0], e2e=4.0))
+    text = summary.table(s)
+    assert "| 80× (700M tokens/s) | ≥ 75× and ≥ 600M tokens/s | yes | 5% over 2 rounds |" in text
+    assert "| 4× | ≥ 5× | **no** |" in text and "not measured" in text
+    readme = f"# x\n\nbefore\n{summary.START}\nold table\n{summary.END}\nafter\n"
+    new = summary.readme_with_table(readme, s)
+    assert summary.readme_table(new) == text and new.startswith("# x\n\nbefore\n") and new.endswith(f"{summary.END}\nafter\n")
+
+
+def test_a_planted_2x_slowdown_of_one_check_is_flagged(tmp_path, monkeypatch):
+    """bench_audit's in-memory figure, measured twice in this test: as it is, then with one check (the
+    structural id checks) doing its work twice; the comparison of the second with the first flags it."""
+    bench = _load("bench_audit")
+    spec = [f for f in summary.SPEC if f.name == "audit.in_memory"]
+    as_is = {"in_memory": bench.in_memory(8000, 5)}
+    fn = bench.audit_run.structural_checks
+
+    def twice(*args, **kwargs):
+        fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(bench.audit_run, "structural_checks", twice)
+    slowed = {"in_memory": bench.in_memory(8000, 5)}
+    base, now = _summary_of(tmp_path, "base", as_is, spec), _summary_of(tmp_path, "slow", slowed, spec)
+    found = summary.regressions(now, base)
+    assert [x.split(":")[0] for x in found] == ["REGRESSION audit.in_memory"], (as_is, slowed)
+    assert summary.regressions(base, base) == []

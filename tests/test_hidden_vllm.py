@@ -1,0 +1,232 @@
+"""04's `vllm` backend against the vLLM-shaped loopback server (tests/loopback.py) that writes hidden-states
+files as vLLM's connector does: what is stored, the fault cases (a lost file, a lock never released, a
+wrong echoed id, a dead server: each fails its samples with the reason and loses nothing else), Ctrl-C
+and resume, the params and the server command. The real engine: tests/test_vllm_engine.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from eagle3data.core.params import ParamsError, load_params
+from eagle3data.generate.backends.vllm_server import server_command
+from eagle3data.hidden.extract import layer_plan, load_config, run_extract
+from eagle3data.hidden.mix import hidden_dir, read_mix
+from eagle3data.hidden.store import HiddenReader, read_shard_meta, shard_dir
+from eagle3data.hidden.vllm_capture import final_norm, hidden_command, rms_norm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from loopback import LoopbackServer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+H = 576
+
+
+def fake_states(ids: list[int]) -> torch.Tensor:
+    """What the fake engine returns for a sequence: [n, 4, H], a function of the ids and positions."""
+    t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+    k = torch.arange(4, dtype=torch.float32)[None, :, None]
+    j = torch.arange(H, dtype=torch.float32)[None, None, :]
+    pos = torch.arange(len(ids), dtype=torch.float32)[:, None, None]
+    return torch.sin(t * 0.013 + k * 1.7 + j * 0.05 + pos * 0.11) * (1 + k)
+
+
+@pytest.fixture
+def fake_engine(tmp_path):
+    files = tmp_path / "engine_files"
+    files.mkdir()
+    srv = LoopbackServer("vllm", model_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+    srv.hidden_states, srv.hidden_dir = fake_states, files
+    with srv:
+        yield srv
+    for fd in srv.held_locks:
+        os.close(fd)
+
+
+@pytest.fixture
+def vllm_params(ci_run, tmp_path):
+    shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
+
+    def make(srv: LoopbackServer, **over):
+        base = {"output_root": str(tmp_path), "hidden.probe_batches": 0, "hidden.backend": "vllm",
+                "hidden.vllm": {"base_url": srv.base_url, "concurrency": 4, "lock_timeout_s": 0.5,
+                                "max_retries": 0, "timeout_s": 5}, "generate.stop_grace_s": 5}
+        return load_params(REPO / "params" / "ci.yaml", {**base, **over})
+
+    return make
+
+
+def stored_keys(p) -> list[str]:
+    return [e["key"] for f in shard_dir(hidden_dir(p)).glob("*.safetensors") for e in read_shard_meta(f)["samples"]]
+
+
+def completions(srv: LoopbackServer) -> list[dict]:
+    return [r for r in srv.requests if r["path"] == "/completions"]
+
+
+def test_the_store_holds_what_the_engine_wrote(fake_engine, vllm_params, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = vllm_params(fake_engine)
+    res = run_extract(p, progress=False)
+    assert res.merged and res.validation.ok, res.validation.table()
+    mix = read_mix(hidden_dir(p))
+    rd = HiddenReader(hidden_dir(p))
+    assert rd.keys() == [str(s.key) for s in mix.samples]  # the HF path's keys and order: the mix's
+    config = load_config(p)
+    weight, eps = final_norm(p, config)
+    for s in mix.samples:
+        got = rd.sample(s.key)["hidden_states"]
+        want = fake_states(s.input_ids)
+        assert got.shape == (len(s.input_ids), 5, H) and got.dtype == torch.bfloat16
+        assert torch.equal(got[:, :4], want.to(torch.bfloat16))  # aux x 3 and pre-norm as the engine wrote them
+        assert torch.equal(got[:, 4], rms_norm(want[:, 3], weight, eps).to(torch.bfloat16))
+    sent = completions(fake_engine)
+    assert sorted(tuple(r["body"]["prompt"]) for r in sent) == sorted(tuple(s.input_ids) for s in mix.samples)
+    assert all(r["body"]["max_tokens"] == 1 and r["body"]["return_token_ids"] is True for r in sent)
+    assert not list(fake_engine.hidden_dir.iterdir())  # every engine file (and lock) deleted once stored
+    assert res.stats["backend"] == "vllm" and res.stats["failed"] == 0 and res.stats["extracted"] == len(mix.samples)
+
+
+def test_post_norm_is_the_models_own_final_norm(ci_run):
+    from eagle3data.core.models import model_for
+
+    model = model_for(ci_run)
+    weight, eps = final_norm(ci_run, model.config)
+    x = torch.randn(7, H) * 30
+    with torch.inference_mode():
+        assert torch.allclose(rms_norm(x, weight, eps), model.model.norm(x), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("hs_lost", r"not ready after 0.5 s \(no file and no lock"),
+    ("hs_locked", r"not ready after 0.5 s \(still locked"),
+    ("prompt_changed", r"echoed prompt_token_ids \(\d+ ids\) differ from the \d+ ids sent"),
+])
+def test_a_bad_reply_fails_its_sample_alone_and_resume_completes_it(fake_engine, vllm_params, monkeypatch,
+                                                                    fault, reason):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = vllm_params(fake_engine)
+    fake_engine.faults.append(fault)
+    res = run_extract(p, progress=False)
+    n = len(read_mix(hidden_dir(p)).samples)
+    assert not res.merged and res.stats["failed"] == 1 and res.waiting_for == 1
+    (f,) = res.stats["failures"]
+    assert re.search(reason, f["error"]), f["error"]
+    assert len(stored_keys(p)) == n - 1 and f["key"] not in stored_keys(p)  # nothing else lost
+    ledger = orjson.loads((hidden_dir(p) / "vllm_ledger.json").read_bytes())
+    assert [x["key"] for x in ledger["failures"]] == [f["key"]]
+    again = run_extract(p, progress=False)
+    assert again.merged and again.validation.ok and again.stats["extracted"] == 1
+    keys = stored_keys(p)
+    assert len(keys) == len(set(keys)) == n  # no sample twice
+
+
+def test_a_dead_server_fails_the_rest_keeps_what_was_stored(fake_engine, vllm_params, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = vllm_params(fake_engine, **{"hidden.vllm.concurrency": 1})
+    fake_engine.faults.extend(["none", "die"])
+    res = run_extract(p, progress=False)
+    n = len(read_mix(hidden_dir(p)).samples)
+    assert res.stats["extracted"] == 1 and res.stats["failed"] == n - 1 and not res.merged
+    assert all("ConnectError" in f["error"] or "closed" in f["error"] for f in res.stats["failures"]), \
+        res.stats["failures"]
+    assert len(stored_keys(p)) == 1
+    with LoopbackServer("vllm") as srv2:  # the server is back (elsewhere): resume completes
+        srv2.hidden_states, srv2.hidden_dir = fake_states, fake_engine.hidden_dir
+        again = run_extract(vllm_params(srv2, **{"hidden.vllm.concurrency": 1}), progress=False)
+    assert again.merged and again.validation.ok and again.stats["extracted"] == n - 1
+    keys = stored_keys(p)
+    assert len(keys) == len(set(keys)) == n
+
+
+def test_ctrl_c_keeps_the_shard_in_progress_and_resume_stores_each_sample_once(fake_engine, vllm_params,
+                                                                               monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    fake_engine.latency = 0.4
+    p = vllm_params(fake_engine, **{"hidden.vllm.concurrency": 1})
+    timer = threading.Timer(0.9, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        res = run_extract(p, progress=False)
+    finally:
+        timer.cancel()
+    n = len(read_mix(hidden_dir(p)).samples)
+    assert res.stats["stopped_early"] and "SIGINT" in res.stats["stop_reason"] and not res.merged
+    kept = stored_keys(p)
+    assert 1 <= len(kept) < n and res.stats["extracted"] == len(kept)  # what came back before the stop is on disk
+    fake_engine.latency = 0.0
+    again = run_extract(p, progress=False)
+    assert again.merged and again.validation.ok and again.stats["already_stored"] == len(kept)
+    keys = stored_keys(p)
+    assert len(keys) == len(set(keys)) == n
+
+
+def test_hidden_backend_params_are_strict(ci_run):
+    ci = REPO / "params" / "ci.yaml"
+    assert load_params(ci).hidden.backend == "hf"
+    with pytest.raises(ParamsError, match=r"backend 'vllm' needs a `hidden.vllm` section"):
+        load_params(ci, {"hidden.backend": "vllm"})
+    with pytest.raises(ParamsError, match=r"needs `base_url` \(a running one\) or `launch: true`"):
+        load_params(ci, {"hidden.backend": "vllm", "hidden.vllm": {}})
+    with pytest.raises(ParamsError, match=r"unknown key `hidden.vllm.nope`"):
+        load_params(ci, {"hidden.backend": "vllm", "hidden.vllm.launch": "true", "hidden.vllm.nope": 1})
+    with pytest.raises(ParamsError, match=r"hidden.backend"):
+        load_params(ci, {"hidden.backend": "sglang"})
+    p = load_params(ci, {"hidden.backend": "vllm", "hidden.vllm.launch": "true"})
+    assert p.hidden.vllm.launch and p.hidden.vllm.base_url is None
+
+
+def test_the_launched_command_for_the_embedded_model(ci_run, tmp_path):
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "hidden.backend": "vllm",
+                                                   "hidden.vllm.launch": "true", "hidden.vllm.server.port": 8123})
+    cmd = hidden_command(p, layer_plan(p, load_config(p)))
+    argv = cmd.argv
+    assert argv[0] == str(REPO / ".engine" / "bin" / "python") and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert Path(flag["--model"]).is_dir() and flag["--served-model-name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert flag["--dtype"] == "float32" and flag["--port"] == "8123" and flag["--tensor-parallel-size"] == "1"
+    assert "--enforce-eager" in argv and flag["--max-model-len"] == "8192"
+    spec, kv = orjson.loads(flag["--speculative-config"]), orjson.loads(flag["--kv-transfer-config"])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
+    assert kv["kv_connector"] == "CPUHiddenStatesConnector" and kv["kv_connector_module_path"] == "cpu_hidden_states"
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(hidden_dir(p) / "engine_files")
+    assert cmd.env == {"VLLM_CPU_KVCACHE_SPACE": "2"} and cmd.base_url == "http://127.0.0.1:8123/v1"
+    connector = Path(cmd.extra_env_path[0]) / "cpu_hidden_states.py"
+    assert connector.is_file() and "class CPUHiddenStatesConnector" in connector.read_text()
+    line = cmd.shell()
+    assert line.startswith("VLLM_CPU_KVCACHE_SPACE=2 PYTHONPATH=") and shlex.split(line)[2:] == argv
+    gen = server_command(p, p.hidden.vllm, stage="generate")
+    assert "--speculative-config" not in gen.argv and "--kv-transfer-config" not in gen.argv
+
+
+def test_kimi_vllm_params_and_the_command_to_start_its_server(capsys):
+    from eagle3data.cli import main
+
+    p = load_params(REPO / "params" / "kimi_vllm.yaml")
+    v = p.hidden.vllm
+    assert p.hidden.backend == "vllm" and not v.launch and v.base_url.endswith("/v1")
+    assert v.server.tensor_parallel_size == 8 and p.model.name == v.model == "moonshotai/Kimi-K2.5"
+    assert main(["extract", str(REPO / "params" / "kimi_vllm.yaml"), "--print-engine-command"]) == 0
+    out = capsys.readouterr().out.strip()
+    argv = shlex.split(out)
+    flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+    assert flag["--tensor-parallel-size"] == "8" and flag["--model"] == "/models/Kimi-K2.5"
+    assert "--trust-remote-code" in argv and "--enforce-eager" not in argv and flag["--dtype"] == "bfloat16"
+    ids = orjson.loads(flag["--speculative-config"])["draft_model_config"]["hf_config"]
+    assert ids["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
+    kv = orjson.loads(flag["--kv-transfer-config"])
+    assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in kv
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == v.files_dir
+    assert "PYTHONPATH" not in out and "VLLM_CPU_KVCACHE_SPACE" not in out
