@@ -60,6 +60,11 @@ STORES = {"specforge": {"hidden.layout": "specforge"},
           "fp8": {"hidden.layout": "speculators", "hidden.storage": "fp8_e4m3", "hidden.storage_scale": "token"}}
 
 
+# the final state's top-1 agreement through the trainer's own head: bf16 and int8/channel_rms keep >= 97% (docs/04
+# measures 99.9% and 99.5% on the embedded run); e4m3's 3 mantissa bits cost about 3 points (96.8% there)
+MIN_TOP1 = {"specforge": 0.97, "speculators": 0.97, "int8": 0.97, "fp8": 0.90}
+
+
 @pytest.fixture(scope="module")
 def stores(ci_run, model, tmp_path_factory):
     """04 in each of `STORES` on a copy of the ci run, then both hand-offs from each store."""
@@ -123,7 +128,7 @@ def test_specforge_reads_our_features_with_its_own_loader(stores, model, store):
         a, b = _next_token_hits(logits, item["input_ids"][0], mask)
         hits, total = hits + a, total + b
         twice += _next_token_hits(again, item["input_ids"][0], mask)[0]
-    assert total > 50 and hits / total >= 0.97, (hits, total)
+    assert total > 50 and hits / total >= MIN_TOP1[store], (hits, total)
     assert twice < hits, (twice, hits)
     cfg = load_config(str(out / "specforge.yaml"))
     assert cfg.mode == "offline" and Path(cfg.data.hidden_states_path) == (out / "features").resolve()
@@ -162,7 +167,7 @@ def test_speculators_reads_our_dataset_with_its_own_loader(stores, model, store)
         a, b = _next_token_hits(logits, item["input_ids"], mask)
         hits, total = hits + a, total + b
         twice += _next_token_hits(again, item["input_ids"], mask)[0]
-    assert total > 50 and hits / total >= 0.97, (hits, total)
+    assert total > 50 and hits / total >= MIN_TOP1[store], (hits, total)
     assert twice < hits, (twice, hits)
     # its CLI finds d2t-<N>.npy / t2d-<N>.npy in the data folder for --draft-vocab-size N
     args = argparse.Namespace(d2t_path=None, t2d_path=None, data_path=str(out), draft_vocab_size=64,

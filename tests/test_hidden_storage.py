@@ -58,6 +58,7 @@ def test_channel_smoothing_is_what_rescues_int8_from_an_outlier_channel():
         err[scale] = float((y - x).norm() / x.norm())
     # the outlier sets every other channel's step under a per-token scale; divided out, it does not
     assert err["channel_token"] < err["token_state"] / 3 and err["token_state"] <= err["token"]
+    assert err["channel_rms"] < err["token_state"] / 3
 
 
 def test_nan_and_zero_rows_survive_quantization_so_validation_still_sees_them():
@@ -97,7 +98,7 @@ def bf16_store(ci_run, model, tmp_path_factory):
     return _extract(ci_run, tmp_path_factory.mktemp("bf16"), model)
 
 
-@pytest.mark.parametrize("storage,scale,final", [("int8", "channel_token", "same"), ("fp8_e4m3", "token", "same"),
+@pytest.mark.parametrize("storage,scale,final", [("int8", "channel_rms", "same"), ("fp8_e4m3", "token", "same"),
                                                  ("int8", "token_state", "bf16")])
 def test_an_8bit_store_validates_reads_dequantized_and_halves_the_disk(ci_run, model, bf16_store, tmp_path,
                                                                       storage, scale, final, monkeypatch):
@@ -151,9 +152,9 @@ def test_the_estimate_shows_every_storage_and_the_chosen_one(ci_run, tmp_path, m
                                                   "hidden.storage": "int8"})
     est = estimate(p, model=model)
     h = model.config.hidden_size
-    assert est.storage == "int8/channel_token"
+    assert est.storage == "int8/channel_rms"
     assert est.bytes_per_token == 5 * h + 5 * 4 + 5  # values, one fp32 scale per token and state, id + mask
     assert est.storage_bytes["bf16"] == 5 * h * 2 + 5
     assert set(est.storage_bytes) == {s.name for s in ALL}
     table = est.table()["value"]
-    assert table["storage (hidden.storage)"] == "int8/channel_token"
+    assert table["storage (hidden.storage)"] == "int8/channel_rms"

@@ -356,10 +356,11 @@ class HiddenParams(Strict):
                     "value with fp32 scales beside them (`storage_scale`); the reader dequantizes. docs/04 gives each "
                     "choice's measured error on the target's own predictions.",
     )
-    storage_scale: Literal["token", "token_state", "channel_token"] = Field(
-        "channel_token",
+    storage_scale: Literal["token", "token_state", "channel_token", "channel_rms"] = Field(
+        "channel_rms",
         description="8-bit scales: one per token over all states (hs-connectors' FP8 files), one per token and state, "
-                    "or each state's channels divided by the shard's channel absmax, then one per token and state.",
+                    "or each state's channels divided by their absmax (`channel_token`) or RMS (`channel_rms`, the "
+                    "measured best: docs/04) over the shard, then one per token and state.",
     )
     final_storage: Literal["same", "bf16", "fp8_e4m3", "int8"] = Field(
         "same", description="The final state(s)' own storage (same = `storage`), e.g. bf16 final with 8-bit aux layers."

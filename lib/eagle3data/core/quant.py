@@ -39,7 +39,7 @@ class Storage:
     """One state group's on-disk form: value format and (8-bit only) scale scheme."""
 
     format: str = "bf16"
-    scale: str = "channel_token"  # "none" for bf16
+    scale: str = "channel_rms"  # "none" for bf16
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -88,7 +88,7 @@ class Storage:
             fmt, _, scale = str(spec).partition("/")
         if fmt == "bf16":
             return cls("bf16")
-        return cls(fmt, scale or "channel_token")
+        return cls(fmt, scale or "channel_rms")
 
 
 def _torch() -> Any:
