@@ -48,14 +48,23 @@ def _make_run(root: Path, **over) -> object:
     return load_params(REPO / "tests" / "fixtures" / "nbval.yaml", {**base, **over})
 
 
+_MODEL = {}
+
+
+def _model(p):
+    from eagle3data.core.models import model_for
+
+    return _MODEL.setdefault("m", model_for(p))
+
+
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """04's clean store of the fixture run (shards, both final states), not verified yet. Do not change it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)
         mp.delenv("WORLD_SIZE", raising=False)
-        p = _make_run(tmp_path_factory.mktemp("verify"))
-        res = run_extract(p, progress=False)
+        p = _make_run(tmp_path_factory.mktemp("verify"), **{"hidden.shard_bytes": 2**26})  # one shard
+        res = run_extract(p, progress=False, model=_model(p))
     assert res.merged and res.validation.ok
     return p
 
@@ -68,10 +77,30 @@ def _copy(p, tmp_path):
                        {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.verify_after": False})
 
 
+class _Memo:
+    """The HF recompute backend (04's Capture), each distinct sequence forwarded once for the module."""
+
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __init__(self, capture):
+        self.capture = capture
+
+    def run(self, input_ids):
+        k = tuple(input_ids[0].tolist())
+        if k not in self.seen:
+            self.seen[k] = self.capture.run(input_ids)
+        return self.seen[k]
+
+    def close(self):
+        self.capture.close()
+
+
 def _verify(p, recompute=0, positions=0):
+    """verify-hidden on a run with the HF recompute backend (one model for the whole module)."""
     cfg = load_config(p)
     info = HiddenReader(hidden_dir(p)).info
-    return verify_store(p, config=cfg, backend=BACKENDS["hf"](p, info, cfg), recompute=recompute, positions=positions)
+    make = BACKENDS["hf"](p, info, cfg, model=_model(p))
+    return verify_store(p, config=cfg, backend=lambda: _Memo(make()), recompute=recompute, positions=positions)
 
 
 def _failed(res) -> dict[str, list[str]]:
@@ -190,7 +219,7 @@ def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
     change, keys, check = MUTATIONS[kind]
     p = _copy(clean, tmp_path)
     _mutate(p, change)
-    res = _verify(p, recompute="all")
+    res = _verify(p, recompute="all", positions=32)
     failed = _failed(res)
     assert set(failed) == keys, failed
     for k in keys:
@@ -205,7 +234,7 @@ def test_a_store_in_each_trainer_layout_passes(tmp_path, monkeypatch, layout, fi
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = _make_run(tmp_path, **{"hidden.layout": layout, "hidden.final_state": final_state,
                                "hidden.verify_after": True, "hidden.verify_positions": 0})
-    res = run_extract(p, progress=False)
+    res = run_extract(p, progress=False, model=_model(p))
     ver = res.verification
     assert ver is not None and ver.ok and _failed(ver) == {}, _failed(ver)
     assert ver.summary["layout"] == layout and ver.summary["states"][-1] == final_state

@@ -144,7 +144,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
         for smp in reader:
             key = str(SampleKey.of(smp))
             hs = smp["hidden_states"]
-            row: dict[str, Any] = {"key": key, "length": int(smp["length"]), "greedy": key in greedy}
+            row: dict[str, Any] = {"key": key, "position": int(smp["position"]), "length": int(smp["length"]),
+                                   "greedy": key in greedy}
             probs = sample_problems(smp, sources.get(SampleKey.of(smp)), (len(names), info["hidden_size"]), dtype)
             row["store"] = [c for c, _ in probs]
             if "shape" not in row["store"]:
@@ -162,6 +163,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
         store_problems.append({"key": "*", "check": "coverage",
                                "detail": f"{len(rows)} stored samples, {len(mix.samples)} in the mix: the index "
                                          "must hold exactly the mix's keys in mix order"})
+    rows.sort(key=lambda r: r["position"])  # the reader goes shard by shard; the lines follow the mix order
     judged = [r for r in rows if "log_rms" in r]
     stats = profile_stats(judged)
     with_profile = len(judged) >= MIN_PROFILE_SAMPLES
