@@ -252,7 +252,7 @@ def test_cli_exit_status_and_bad_input(clean, tmp_path, capsys):
     assert f"FAIL {TARGET}: flat_rows" in capsys.readouterr().out
     assert len(out.read_bytes().splitlines()) == 8
     assert cli_main(["verify-hidden", run, "--recompute", "some"]) == 2
-    assert "--recompute 'some'" in capsys.readouterr().err
+    assert "verify-hidden --recompute 'some'" in capsys.readouterr().err
     assert cli_main(["verify-hidden", str(tmp_path / "nowhere")]) == 2
     with pytest.raises(Exception):
         parse_recompute("-1")

@@ -45,9 +45,9 @@ def parse_recompute(value: str | None) -> int | str:
     try:
         n = int(value)
     except ValueError:
-        raise VerifyError(f"--recompute {value!r}: a count of samples per shard, or `all`") from None
+        raise VerifyError(f"verify-hidden --recompute {value!r}: a count of samples per shard, or `all`") from None
     if n < 0:
-        raise VerifyError(f"--recompute {value!r}: must be >= 0")
+        raise VerifyError(f"verify-hidden --recompute {value!r}: must be >= 0")
     return n
 
 
@@ -58,7 +58,7 @@ def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: s
     if not run_dir.is_dir():
         raise VerifyError(f"{run_dir}: not a run folder (outputs/<run>)")
     if positions is not None and positions < 0:
-        raise VerifyError(f"--positions {positions}: must be >= 0 (0 = every position)")
+        raise VerifyError(f"verify-hidden --positions {positions}: must be >= 0 (0 = every position)")
     per_shard = parse_recompute(recompute)
     params = params_of_run(run_dir)
     info = HiddenReader(hidden_dir(params)).info
