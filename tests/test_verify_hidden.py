@@ -63,7 +63,7 @@ def clean(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)
         mp.delenv("WORLD_SIZE", raising=False)
-        p = _make_run(tmp_path_factory.mktemp("verify"), **{"hidden.shard_bytes": 2**26})  # one shard
+        p = _make_run(tmp_path_factory.mktemp("verify"))
         res = run_extract(p, progress=False, model=_model(p))
     assert res.merged and res.validation.ok
     return p
@@ -107,21 +107,30 @@ def _failed(res) -> dict[str, list[str]]:
     return {r["key"]: r["failed"] for r in res.rows if r["failed"]}
 
 
-def _mutate(p, change) -> dict[str, str]:
-    """Apply `change(hs, rows)` to the store's states in place (one shard here); returns the keys by role."""
+def _mutate(p, change) -> None:
+    """Apply `change(hs, rows, mask)` to the store's states on disk: `hs` is every shard's states end to end,
+    `rows` each key's (start, length) in it."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     rd = HiddenReader(hidden_dir(p))
     shards = sorted(set(rd.index["shard"]))
-    assert len(shards) == 1, shards  # the fixture store is one shard: every sample's rows are in `hs`
-    path = hidden_dir(p) / shards[0]
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-    t = load_file(str(path))
-    rows = {k: (int(rd.index.iloc[i]["offset"]), int(rd.index.iloc[i]["length"])) for i, k in enumerate(rd.keys())}
-    change(t["hidden_states"], rows, t["loss_mask"])
-    save_file(t, str(path), metadata=meta)
+    files = {s: load_file(str(hidden_dir(p) / s)) for s in shards}
+    base, start = {}, 0
+    for s in shards:
+        base[s] = start
+        start += files[s]["hidden_states"].shape[0]
+    hs = torch.cat([files[s]["hidden_states"] for s in shards])
+    mask = torch.cat([files[s]["loss_mask"] for s in shards])
+    rows = {k: (base[rd.index.iloc[i]["shard"]] + int(rd.index.iloc[i]["offset"]), int(rd.index.iloc[i]["length"]))
+            for i, k in enumerate(rd.keys())}
+    change(hs, rows, mask)
+    for s in shards:
+        with safe_open(str(hidden_dir(p) / s), framework="pt") as f:
+            meta = f.metadata()
+        n = files[s]["hidden_states"].shape[0]
+        files[s]["hidden_states"] = hs[base[s]:base[s] + n].clone()
+        save_file(files[s], str(hidden_dir(p) / s), metadata=meta)
 
 
 def _prompt_len(mask, a, n):
