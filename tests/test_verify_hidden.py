@@ -22,7 +22,7 @@ from eagle3data.core.params import load_params
 from eagle3data.export.run import ExportError, export_format
 from eagle3data.hidden.extract import load_config, run_extract
 from eagle3data.hidden.mix import hidden_dir
-from eagle3data.hidden.store import HiddenReader, shard_dir
+from eagle3data.hidden.store import HiddenReader
 from eagle3data.hidden.verify_checks import load_head
 from eagle3data.hidden.verify_run import BACKENDS, parse_recompute
 from eagle3data.hidden.verify import verify_store

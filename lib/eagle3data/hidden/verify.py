@@ -170,7 +170,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     for r in rows:
         failed = [c for c in r.pop("store") if c != "finite"]  # NaN is judged below, from the figures
         if "log_rms" in r:
-            more, z = judge(r, stats, greedy=r["greedy"], store_states=names, judge_profile=with_profile)
+            more, z = judge(r, stats, greedy=r["greedy"], judge_profile=with_profile)
             failed += more
             r["z"] = z
             if "recompute" in r and recompute_failed(r["recompute"]):

@@ -224,8 +224,7 @@ def profile_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float
     return out
 
 
-def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, store_states: Sequence[str],
-          judge_profile: bool) -> tuple[list[str], dict[str, Any]]:
+def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_profile: bool) -> tuple[list[str], dict[str, Any]]:
     """The checks one sample fails (names of `CHECKS`) and the z-scores behind the run-relative ones."""
     failed: list[str] = []
     z: dict[str, Any] = {}
