@@ -4,9 +4,10 @@
 journal already holds (resume keyed by `(dataset, sample_id)`; a torn last line is cut off
 and reported), and generates with the backend named in params:
 
-- `local`: batched in-process generation; exact ids. Batches are filled with prompts that are sent
-  (one a budget skips leaves its place to the next). A first SIGINT/SIGTERM or a `STOP` file
-  stops after the batch in progress is journaled; a second signal drops that batch.
+- `local`: in-process generation, continuous batching; exact ids. A slot that frees is filled with
+  the next prompt that is sent (one a budget skips leaves its place to the next). A first
+  SIGINT/SIGTERM or a `STOP` file stops admitting prompts and journals the rows in flight; a second
+  signal drops them.
 - `sglang`: the native `/generate` endpoint with pre-templated `input_ids`; exact ids.
 - `vllm`: vLLM's `/v1/completions` with pre-templated token-id prompts and `return_token_ids`;
   exact ids.
