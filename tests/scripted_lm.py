@@ -46,6 +46,6 @@ class ScriptedLM(torch.nn.Module):
             reply = self.script(row[kind == 1].long().tolist())
             n = int((kind == 2).sum())
             nxt.append(reply[n] if n < len(reply) else self.pad)
-        logits = torch.zeros(len(nxt), 1, VOCAB)
-        logits[torch.arange(len(nxt)), 0, torch.tensor(nxt)] = 1.0
+        logits = torch.full((len(nxt), 1, VOCAB), float("-inf"))  # any sampling draws the scripted id
+        logits[torch.arange(len(nxt)), 0, torch.tensor(nxt)] = 0.0
         return CausalLMOutputWithPast(logits=logits)

@@ -160,6 +160,19 @@ def test_a_stop_while_a_budget_skips_still_finishes_the_rows_in_flight(tmp_path,
     assert set(keys.values()) == {1} and len(keys) == 6 and sum(d == "b" for d, _ in keys) == 4
 
 
+def test_sampling_goes_through_the_same_slots(tmp_path, smollm2_tokenizer):
+    """temperature/top-k/top-p/min-p through transformers' warpers, two slots refilled: every row still gets
+    its scripted ids (the stand-in puts all mass on them), so sampling keeps each row's cache and order."""
+    over = {"output_root": str(tmp_path), "generate.batch_size": 2,
+            "generate.sampling": {"max_new_tokens": 8, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05}}
+    params = load_params(REPO / "params" / "ci.yaml", over)
+    model = ScriptedModel()
+    s = run_generate(params, progress=False, model=model, tokenizer=smollm2_tokenizer)
+    assert s.status == "finished" and s.new_records == 4 and model.calls == 4 and model.steps == [2] * 4
+    recs = [r for path in sorted((params.run_dir / "records").glob("*.jsonl")) for r in scan_journal(path).records]
+    assert [r["output_ids"] for r in recs] == [[9, 10, SMOLLM2.end_of_turn.id]] * 4
+    assert {r["finish_reason"] for r in recs} == {"stop"} and recs[0]["sampling"]["temperature"] == 0.7
+
 def test_continuous_batching_gives_every_prompt_the_ids_of_sequential_greedy(smollm2_tokenizer):
     """Embedded SmolLM2, fp32 on CPU: prompts of the shipped datasets, short and long alternating, 3 slots, so
     rows join a batch padded for a longer row, pad it for themselves, and leave it at different steps;
