@@ -264,7 +264,7 @@ def test_max_turns_and_budget_cut_at_turn_granularity(qwen, tmp_path):
 
 
 def test_local_stop_between_turns_then_resume(qwen, tmp_path):
-    """A STOP file while the first batch of turns is generated: that batch is journaled whole, the turns it
+    """A STOP file once both slots hold a first turn: both rows in flight are journaled, the turns they
     would have led to are not sent (counted skipped, their conversations go on at resume), and resume
     finishes every conversation on-policy with every turn once."""
     params = _params(tmp_path, **{"generate.batch_size": 2})
@@ -273,8 +273,8 @@ def test_local_stop_between_turns_then_resume(qwen, tmp_path):
     calls = []
 
     def script(p):
-        if not calls:
-            stop.touch()  # during the first batch
+        if len(calls) == 1:
+            stop.touch()  # while the second prompt is prefilled: two rows in flight
         calls.append(1)
         return qwen_reply(qwen, p)
 
