@@ -99,10 +99,13 @@ def main() -> dict:
         row["seq_tokens"] = sum(map(len, row.pop("seq_ids")))
         row["bat_tokens"] = sum(map(len, row.pop("bat_ids")))
         groups.append(row)
+        print(f"group {g}: {row['prompts']} prompts, seq {row['seq_s']:.1f} s, continuous {row['bat_s']:.1f} s, "
+              f"{row['seq_tokens']} tokens, ids equal {row['ids_equal']}, load {os.getloadavg()[0]:.1f}", flush=True)
         if g == 1:  # the whole queue in the middle of the run
             t0 = time.perf_counter()
             whole["ids"] = continuous(backend, ids)
             whole["s"] = time.perf_counter() - t0
+            print(f"whole queue: continuous {whole['s']:.1f} s, {sum(map(len, whole['ids']))} tokens", flush=True)
 
     seq_s, bat_s = sum(r["seq_s"] for r in groups), sum(r["bat_s"] for r in groups)
     seq_tok, bat_tok = sum(r["seq_tokens"] for r in groups), sum(r["bat_tokens"] for r in groups)

@@ -25,7 +25,7 @@ turn from the model's own earlier replies (`turns.py`; one record per turn, keye
 conversation's turns in order and conversations concurrently; resume replays the journaled turns.
 
 Where each part lives: the plan (what to send, resume by key, each conversation's next turn) in
-`plan.py`, the local batch loop in `local.py`, the SIGINT/SIGTERM routing in `signals.py`; this
+`plan.py`, the local loop (continuous batching) in `local.py`, the SIGINT/SIGTERM routing in `signals.py`; this
 module runs them: the HTTP engine's set-up and hooks, asyncio from plain Python or a notebook's
 running loop, the garbage collector kept off what lives as long as the run, the summary.
 """
