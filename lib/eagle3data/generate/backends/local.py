@@ -151,8 +151,8 @@ class LocalBackend:
         """Prefill one prompt alone; its row holds the first output id, its cache joins the batch unless done."""
         row = _Row(handle, len(ids))
         cache = DynamicCache()
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
-                         **{self.cache_kw: cache})
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, logits_to_keep=1,
+                         **{self.cache_kw: cache})  # the last position's logits only, as `generate` asks
         row.out.append(self._next(out.logits[:, -1], torch.tensor([ids[-1:]]))[0])
         if not self._done(row):
             self.batch.add(row, cache)
