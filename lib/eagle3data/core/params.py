@@ -204,7 +204,7 @@ class OpenAIParams(Strict):
 class GenerateParams(Strict):
     backend: Literal["local", "sglang", "vllm", "openai"] = Field("local", description="Where responses come from.")
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling settings.")
-    batch_size: int = Field(8, gt=0, description="Local backend: prompts per batched generate call.")
+    batch_size: int = Field(8, gt=0, description="Local backend: rows decoding together (continuous batching: a finished row's slot takes the next prompt).")
     sglang: SGLangParams | None = Field(None, description="Settings for backend `sglang`.")
     vllm: VLLMParams | None = Field(None, description="Settings for backend `vllm`.")
     openai: OpenAIParams | None = Field(None, description="Settings for backend `openai`.")
