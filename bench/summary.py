@@ -47,7 +47,7 @@ class Figure:
     file: str
     ratio: str
     baseline: str
-    goal: float
+    goal: float | None  # None: a figure to report, not a goal (still compared for regressions)
     better: str = "higher"
     rounds: str | None = None
     value: str | None = None  # an absolute figure shown beside the ratio (never compared: it is the machine's)
@@ -83,6 +83,9 @@ SPEC: list[Figure] = [
            rounds="runs.ours[*].tokens_per_s / runs.naive[*].tokens_per_s"),
     Figure("hidden.memory", "04 hidden-state capture, peak memory (`bench_hidden.py`)", "hidden.json",
            "peak_memory_ratio_ours_over_naive", "the same padded baseline", 1.0, better="lower"),
+    Figure("hidden.vllm", "04 through vLLM's CPU build, embedded mix, tokens/s (`bench_hidden_vllm.py`)",
+           "hidden_vllm.json", "vllm_vs_hf_capture", "`hidden.backend: hf` in the same run", None,
+           load="load_average_1_5_15.0"),
 ]
 
 
@@ -219,6 +222,8 @@ def _value_text(r: dict[str, Any]) -> str:
 
 
 def _goal_text(r: dict[str, Any]) -> str:
+    if r["goal"] is None:
+        return "a figure, not a goal"
     g = ("≥ " if r["better"] == "higher" else "≤ ") + f"{r['goal']:g}×"
     if r.get("value_goal"):
         g += f" and ≥ {r['value_goal'] / 1e6:,.0f}M {r.get('value_unit', '')}"

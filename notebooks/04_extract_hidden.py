@@ -22,7 +22,7 @@
 # **Reads:** `outputs/<run>/records/*.jsonl` (01), `reconstruct/<dataset>.jsonl` (02, rebuilt ids of
 # API records), `audit/verdicts.jsonl` (03; when absent no audit filter is applied, and the
 # manifest says so). **Writes:** `outputs/<run>/hidden/` (or `hidden.out_dir`): `mix.parquet`,
-# `mix_manifest.json`, `shards/*.safetensors`, `index.parquet`, `index.json`;
+# `mix_manifest.json`, `shards/*.safetensors`, `index.parquet`, `index.json`, `verify.jsonl`, `verify_summary.json`;
 # `provenance/04_extract_hidden.json`. **Parameters:** `params_file` (a YAML under `params/`),
 # `overrides` (dotted keys, as `-p key value` on the CLI); the stage's settings are the
 # `hidden:` section. Resumable: finished shards are kept. Several GPUs: `docs/04_extract_hidden.md`.
@@ -108,7 +108,25 @@ res.validation.summary() if res.validation else f"not merged yet: {res.waiting_f
 res.validation.table() if res.validation else None
 
 # %% [markdown]
-# ## 8. Reading one sample back (what a trainer does)
+# ## 8. Verify: the stored states are the target's own
+# `verify_store` (what `python -m eagle3data verify-hidden RUN` runs; 04 runs it at its end when
+# `hidden.verify_after`): the target's head on the final state at sampled positions (top-1 and
+# log-prob of the record's next token), no NaN / flat rows / duplicate layers, the final state's
+# kind (pre- vs post-norm), the per-layer norm profile against the run's own samples, and
+# `hidden.verify_recompute` samples per shard run through the target again and compared
+# element-wise. 05 refuses a store that has not passed (unless `export.allow_unverified`).
+# Per-sample lines: `hidden/verify.jsonl`; counts and bounds: `hidden/verify_summary.json`.
+
+# %%
+ver = res.verification
+print(ver.line() if ver else "not verified here (hidden.verify_after false, or the index is not merged yet)")
+ver.table() if ver else None
+
+# %%
+ver.failed_table() if ver else None
+
+# %% [markdown]
+# ## 9. Reading one sample back (what a trainer does)
 
 # %%
 reader = HiddenReader(res.hidden_dir) if res.merged else None  # a stopped run has no index yet

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
 
 from eagle3data.audit.run import run_audit
 from eagle3data.generate.run import run_generate
@@ -25,6 +24,7 @@ from eagle3data.core.profiles import QWEN3
 from eagle3data.core.records import scan_journal
 from eagle3data.generate.turns import conversation_turns, end_kind
 from loopback import LoopbackServer
+from scripted_lm import ScriptedLM
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_ENV = "EAGLE3DATA_TEST_CONV_END_KEY"
@@ -70,20 +70,9 @@ def _reply(tok, prompt_ids: list[int]) -> list[int]:
             + _enc(tok, f"\n\nMODEL answer {n}.") + [QWEN3.end_of_turn.id])
 
 
-class _Scripted(torch.nn.Module):
-    """`model.generate` stand-in: each row's `_reply`, padded with end-of-turn."""
-
-    def __init__(self, tok):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.tok, self.calls = tok, 0
-
-    def generate(self, input_ids, attention_mask, **kw):
-        outs = [_reply(self.tok, row[m.bool()].tolist()) for row, m in zip(input_ids, attention_mask)]
-        self.calls += len(outs)
-        width = max(map(len, outs))
-        pad = QWEN3.end_of_turn.id
-        return torch.cat([input_ids, torch.tensor([o + [pad] * (width - len(o)) for o in outs])], dim=1)
+def _Scripted(tok) -> ScriptedLM:
+    """Each row's reply from `_reply`, then end-of-turn."""
+    return ScriptedLM(lambda prompt: _reply(tok, prompt), QWEN3.end_of_turn.id)
 
 
 def _turns(params) -> dict[str, dict[int, dict]]:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
 
 from eagle3data.audit.run import run_audit
 from eagle3data.export.run import select_samples
@@ -22,6 +21,7 @@ from eagle3data.core.params import load_params
 from eagle3data.core.profiles import KIMI_K25, QWEN3
 from eagle3data.core.records import scan_journal
 from loopback import LoopbackServer
+from scripted_lm import ScriptedLM
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
@@ -63,20 +63,6 @@ def kimi_tool_output(tok, prompt_ids) -> list[int]:
             + [tc.call_end.id, tc.section_end.id, KIMI_K25.end_of_turn.id])
 
 
-class ScriptedModel(torch.nn.Module):
-    """Answers each prompt with `script(prompt ids)`, padded with end-of-turn (a stand-in for `model.generate`)."""
-
-    def __init__(self, script, pad: int):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.script, self.pad = script, pad
-
-    def generate(self, input_ids, attention_mask, **kw):
-        outs = [self.script(row[mask.bool()].tolist()) for row, mask in zip(input_ids, attention_mask)]
-        width = max(map(len, outs))
-        return torch.cat([input_ids, torch.tensor([o + [self.pad] * (width - len(o)) for o in outs])], dim=1)
-
-
 def _params(tmp_path: Path, profile: str, model_path: str, **over):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(b"".join(orjson.dumps({"sample_id": i, "messages": [
@@ -114,7 +100,7 @@ def _check_run(params, tok, profile) -> None:
 def test_local_tool_call_records_pass_the_audit_and_reach_the_export(vocab, qwen, kimi, tmp_path):
     tok, profile, out = (qwen, QWEN3, qwen_tool_output) if vocab == "qwen3" else (kimi, KIMI_K25, kimi_tool_output)
     params = _params(tmp_path, profile.name, "/models/target")
-    model = ScriptedModel(lambda p: out(tok, p), profile.end_of_turn.id)
+    model = ScriptedLM(lambda p: out(tok, p), profile.end_of_turn.id)
     run_generate(params, progress=False, model=model, tokenizer=tok)
     _check_run(params, tok, profile)
 

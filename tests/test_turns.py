@@ -22,7 +22,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
 
 from eagle3data.audit.run import run_audit
 from eagle3data.generate.run import run_generate
@@ -36,6 +35,7 @@ from eagle3data.core.records import scan_journal
 from eagle3data.generate.turns import assistant_message, conversation_turns
 from loopback import LoopbackServer
 from runfiles import key as skey
+from scripted_lm import ScriptedLM
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_ENV = "EAGLE3DATA_TEST_TURNS_KEY"
@@ -114,22 +114,6 @@ def qwen_reply(tok, prompt_ids: list[int]) -> list[int]:
     return think + enc(tok, f"\n\nMODEL answer {n}.") + [p.end_of_turn.id]
 
 
-class ScriptedModel(torch.nn.Module):
-    """Answers each prompt with `script(prompt ids)`, padded with end-of-turn (a stand-in for `model.generate`)."""
-
-    def __init__(self, script, pad: int):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.script, self.pad, self.prompts = script, pad, []
-
-    def generate(self, input_ids, attention_mask, **kw):
-        rows = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
-        self.prompts.extend(rows)
-        outs = [self.script(r) for r in rows]
-        width = max(map(len, outs))
-        return torch.cat([input_ids, torch.tensor([o + [self.pad] * (width - len(o)) for o in outs])], dim=1)
-
-
 def _records(params) -> list[dict]:
     return scan_journal(params.run_dir / "records" / "d0.jsonl").records
 
@@ -200,7 +184,7 @@ def _check_qwen_golden(conv, tok) -> None:
 
 def test_local_turn_by_turn_on_policy_with_tool_loop(qwen, tmp_path):
     params = _params(tmp_path, **{"generate.batch_size": 2})
-    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    model = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     s = run_generate(params, progress=False, model=model, tokenizer=qwen)
     assert s.status == "finished" and s.new_records == 7
     conv = _check_on_policy_run(params, qwen)
@@ -236,7 +220,7 @@ def test_local_turn_by_turn_on_policy_with_tool_loop(qwen, tmp_path):
 
 def test_on_policy_check_fails_a_history_from_the_dataset(qwen, tmp_path):
     params = _params(tmp_path)
-    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    model = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     run_generate(params, progress=False, model=model, tokenizer=qwen)
     path = params.run_dir / "records" / "d0.jsonl"
     recs = _records(params)
@@ -258,7 +242,7 @@ def test_on_policy_check_fails_a_history_from_the_dataset(qwen, tmp_path):
 
 def test_max_turns_and_budget_cut_at_turn_granularity(qwen, tmp_path):
     params = _params(tmp_path / "a", **{"generate.max_turns": 2, "generate.batch_size": 1})
-    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    model = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     run_generate(params, progress=False, model=model, tokenizer=qwen)
     conv = _by_turn(_records(params))
     assert {s: sorted(t) for s, t in conv.items()} == {"w": [0, 1], "m": [0], "c": [0, 1]}
@@ -280,17 +264,17 @@ def test_max_turns_and_budget_cut_at_turn_granularity(qwen, tmp_path):
 
 
 def test_local_stop_between_turns_then_resume(qwen, tmp_path):
-    """A STOP file while the first batch of turns is generated: that batch is journaled whole, the turns it
+    """A STOP file once both slots hold a first turn: both rows in flight are journaled, the turns they
     would have led to are not sent (counted skipped, their conversations go on at resume), and resume
     finishes every conversation on-policy with every turn once."""
     params = _params(tmp_path, **{"generate.batch_size": 2})
     stop = params.run_dir / "STOP"
-    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    model = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     calls = []
 
     def script(p):
-        if not calls:
-            stop.touch()  # during the first batch
+        if len(calls) == 1:
+            stop.touch()  # while the second prompt is prefilled: two rows in flight
         calls.append(1)
         return qwen_reply(qwen, p)
 
@@ -301,7 +285,7 @@ def test_local_stop_between_turns_then_resume(qwen, tmp_path):
     assert led["done"] == 2 and led["done"] + led["skipped"] == led["planned"]
     assert all(r["turn"] == 0 for r in _records(params))
     stop.unlink()
-    again = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    again = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     s2 = run_generate(params, progress=False, model=again, tokenizer=qwen)
     assert s2.status == "finished" and s2.new_records == sum(TURNS.values()) - 2
     _check_on_policy_run(params, qwen)
@@ -453,7 +437,7 @@ def test_resume_never_builds_a_history_from_an_error_record(qwen, tmp_path):
     """A turn journaled as an error: without retry_errors its conversation ends there; with it, the turn is
     generated again (its new line supersedes the error) and the conversation goes on from the model's reply."""
     params = _params(tmp_path, **{"generate.max_turns": 1})
-    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    model = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     run_generate(params, progress=False, model=model, tokenizer=qwen)
     path = params.run_dir / "records" / "d0.jsonl"
     recs = _records(params)
@@ -571,7 +555,7 @@ def test_kimi_history_golden(kimi, tmp_path):
     tool return."""
     params = _params(tmp_path, profile="kimi-k2.5", **{"datasets": [
         {"name": "d0", "path": str(_prompts_file(tmp_path, {"w": CONVERSATIONS["w"]}, "own"))}]})
-    model = ScriptedModel(lambda p: kimi_reply(kimi, p), KIMI_K25.end_of_turn.id)
+    model = ScriptedLM(lambda p: kimi_reply(kimi, p), KIMI_K25.end_of_turn.id)
     run_generate(params, progress=False, model=model, tokenizer=kimi)
     w = _by_turn(_records(params))["w"]
     assert sorted(w) == [0, 1, 2] and w[2]["conversation_end"] == "done"
@@ -628,7 +612,7 @@ def test_turns_per_dataset_in_one_run(qwen, tmp_path):
     last.write_bytes(orjson.dumps({"sample_id": "c", "messages": CONVERSATIONS["c"][:3]}) + b"\n")
     params = _params(tmp_path, **{"generate.turns": "last", "datasets": [
         {"name": "d0", "path": str(_prompts_file(tmp_path)), "turns": "all"}, {"name": "d1", "path": str(last)}]})
-    model = ScriptedModel(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
+    model = ScriptedLM(lambda p: qwen_reply(qwen, p), QWEN3.end_of_turn.id)
     s = run_generate(params, progress=False, model=model, tokenizer=qwen)
     assert s.new_records == sum(TURNS.values()) + 1
     _check_on_policy_run(params, qwen)

@@ -1,4 +1,4 @@
-"""Command line: `python -m eagle3data run|status|stop|generate|extract|audit|export|prompts|prepare-model`.
+"""Command line: `python -m eagle3data run|status|stop|generate|extract|verify-hidden|audit|export|prompts|prepare-model`.
 
 `run` executes the stage notebooks headlessly with papermill (`headless.py`: the executed
 notebooks and their HTML under `outputs/<run>/notebooks/`, the live progress line, a graceful
@@ -317,6 +317,12 @@ def print_engine_command(params: Any, stage: str) -> int:
     return 0
 
 
+def cmd_verify_hidden(args: argparse.Namespace) -> int:
+    from eagle3data.hidden.verify_run import verify_cli  # torch and the head only for this command
+
+    return verify_cli(args.run, recompute=args.recompute, positions=args.positions, out=args.out)
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from eagle3data.audit.run import audit_cli  # the stage (pandas, pyarrow) only for this command
 
@@ -372,6 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--print-engine-command", action="store_true",
                    help="print the vLLM server command hidden.vllm.launch starts (layer ids, connector), and exit")
     x.set_defaults(func=cmd_extract)
+
+    v = sub.add_parser("verify-hidden", help="prove 04's stored states are the target's own (exit 0 pass, 1 fail); "
+                                             "writes hidden/verify.jsonl and verify_summary.json")
+    v.add_argument("run", help="run folder, e.g. outputs/embedded")
+    v.add_argument("--recompute", metavar="N|all", help="samples per shard run through the target again and compared "
+                                                        "element-wise (default 2; 0 none; all)")
+    v.add_argument("--positions", type=int, metavar="K", help="output and prompt positions per sample given to the "
+                                                               "target's head (default 64; 0 every position)")
+    v.add_argument("--out", help="write the per-sample lines here instead of hidden/verify.jsonl")
+    v.set_defaults(func=cmd_verify_hidden)
 
     a = sub.add_parser("audit", help="audit a journal (JSONL) or columnar file; writes verdicts.jsonl, summary.json")
     a.add_argument("records", help="records JSONL (or .parquet)")

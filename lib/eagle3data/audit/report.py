@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from eagle3data.audit.checks import CHECK_NAMES, iter_checks
 from eagle3data.core.params import params_for_display, repo_root
+from eagle3data.core.provenance import RunParamsError, params_of_run
 
 # Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
 # "figures recorded for tests" cells carry it) but are left out of every HTML rendering.
@@ -45,8 +46,51 @@ def render_report(run_dir: str | Path) -> Path:
     text = out.read_text(encoding="utf-8")
     # self-contained: drop the template's CDN scripts (require.js, MathJax); the report needs neither
     text = EXTERNAL_SCRIPT.sub("", text)
+    section = verification_html(_verify_summary(run_dir))
+    if section:  # 04's verification (verify-hidden's summary), after the audit
+        text = text.replace("</body>", f'<div class="e3-verify" style="margin:1em 2em">{section}</div></body>', 1)
     out.write_text(text, encoding="utf-8")
     return out
+
+
+def _verify_summary(run_dir: Path) -> dict[str, Any] | None:
+    """verify-hidden's summary of the run's store (`<hidden dir>/verify_summary.json`), if it ran."""
+    import orjson
+
+    hdir = run_dir / "hidden"
+    try:
+        out_dir = params_of_run(run_dir).hidden.out_dir
+        hdir = Path(out_dir) if out_dir else hdir
+    except RunParamsError:
+        pass
+    path = hdir / "verify_summary.json"
+    return orjson.loads(path.read_bytes()) if path.exists() else None
+
+
+def verification_html(summary: dict[str, Any] | None) -> str:
+    """The report's section on 04's stored states: verify-hidden's verdict and its per-check table with bounds."""
+    import html
+
+    if summary is None:
+        return ""
+    s = summary
+    title = (f"No stored sample failed verification ({s['samples']} samples, {s['tokens']:,} tokens)" if s["ok"]
+             else f"{s['failed_samples']} of {s['samples']} stored samples failed verification")
+    rows = []
+    for name, c in s["checks"].items():
+        bound = "" if c.get("upper95") is None else f"{c['upper95']:.2%}"
+        style = ' style="color:#cf222e;font-weight:bold"' if c["failed"] else ""
+        rows.append(f"<tr><td>{html.escape(name)}</td><td>{c['applicable']}</td><td{style}>{c['failed']}</td>"
+                    f"<td>{bound}</td><td>{html.escape(c['what'])}</td></tr>")
+    table = ('<table class="verify-table" border="0"><thead><tr><th>check</th><th>applicable</th><th>failed</th>'
+             "<th>upper95</th><th>what it proves</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+    note = (f"Head at {s['positions']} output and prompt positions per sample; {s['recomputed']} sample(s) "
+            f"recomputed through the target; norm profile {s['norm_profile']}; states {', '.join(s['states'])} "
+            f"({s['dtype']}, layout {s['layout']}). upper95: 95% upper bound on the failure rate (rule of three "
+            "at zero failures).")
+    return ("<h2>Hidden states (04): verification</h2>"
+            + banner("ok" if s["ok"] else "error", title).html + table
+            + f'<p style="font-size:12px;color:#555">{html.escape(note)}</p>')
 
 
 def redact(obj: Any) -> Any:
@@ -205,6 +249,9 @@ def export_banners(result: Any) -> HTMLBlock:
                           "went out without the audit filter.", ["run 03_audit, then 04 and 05 again"]))
     elif sel.get("include_failed"):
         out.append(banner("warning", "The export includes records that failed audit checks (include_failed is on)."))
+    hv = sel.get("hidden_verification") or ""
+    if hv not in ("", "passed", "no hidden states"):
+        out.append(banner("error", f"Hidden states exported without passing verify-hidden: {hv}."))
     if man and not man.get("exported"):
         out.append(banner("error", "Zero records exported."))
     return banners(out)

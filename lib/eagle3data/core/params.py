@@ -205,7 +205,7 @@ class OpenAIParams(Strict):
 class GenerateParams(Strict):
     backend: Literal["local", "sglang", "vllm", "openai"] = Field("local", description="Where responses come from.")
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling settings.")
-    batch_size: int = Field(8, gt=0, description="Local backend: prompts per batched generate call.")
+    batch_size: int = Field(8, gt=0, description="Local backend: rows decoding together (continuous batching: a finished row's slot takes the next prompt).")
     sglang: SGLangParams | None = Field(None, description="Settings for backend `sglang`.")
     vllm: VLLMParams | None = Field(None, description="Settings for backend `vllm`.")
     openai: OpenAIParams | None = Field(None, description="Settings for backend `openai`.")
@@ -336,6 +336,13 @@ class HiddenParams(Strict):
         1.05, ge=1.0, description="Refuse to start unless free disk >= this x the estimated bytes still to write."
     )
     validate_after: bool = Field(True, description="Validate every stored sample once the index is merged.")
+    verify_after: bool = Field(
+        True, description="Verify the merged store (verify-hidden's checks: the target's head, norms, final kind; "
+                          "docs/04 Verify) at the end of 04; 05 refuses an unverified store.")
+    verify_recompute: int = Field(2, ge=0, description="Samples per shard 04's own verification runs through the "
+                                                       "target again and compares element-wise (0 = none).")
+    verify_positions: int = Field(64, ge=0, description="Output and prompt positions per sample given to the "
+                                                        "target's head by 04's verification (0 = every position).")
     final_state: Literal["both", "pre_norm", "post_norm"] = Field(
         "both",
         description="Which final state 04 stores after the three aux layers: the pre-norm output of the last decoder "
@@ -434,6 +441,8 @@ def _trainer_names() -> list[str]:
 
 class ExportParams(Strict):
     draft_vocab_size: int = Field(32000, gt=0, description="Size of the EAGLE-3 draft vocabulary (d2t/t2d).")
+    allow_unverified: bool = Field(False, description="Export hidden states that verify-hidden has not passed "
+                                                      "(unverified or failing store); the manifest says so.")
     formats: list[str] = Field(
         default_factory=_trainer_names, min_length=1,
         description="Trainers to hand the mix to. A trainer whose layout is hidden.layout is hardlinked (no copy); "

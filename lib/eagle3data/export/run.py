@@ -35,7 +35,7 @@ from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
 from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
-from eagle3data.hidden.store import INDEX_FILE
+from eagle3data.hidden.store import INDEX_FILE, INFO_FILE
 
 FORMATS: tuple[str, ...] = tuple(TRAINERS)
 META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")
@@ -60,6 +60,7 @@ class Selection:
     verdicts_present: bool = False
     include_failed: bool = False
     mix_source: str = ""  # where the mix came from: hidden/mix.parquet, or built here
+    hidden_verification: str = "no hidden states"  # verify-hidden's outcome for the store (`_check_verified`)
 
     def skipped_counts(self) -> dict[str, int]:
         return dict(sorted(Counter(s["reason"] for s in self.skipped).items()))
@@ -99,6 +100,7 @@ def select_samples(params: Any) -> Selection:
     if (hdir / MIX_FILE).exists():
         mix, where = read_mix(hdir), f"{hdir / MIX_FILE} (04's mix)"
         _check_index(hdir, mix)
+        verified = _check_verified(hdir, run_dir, params.export.allow_unverified)
         view = read_run(run_dir, sorted({s.dataset for s in mix.samples}), error=ExportError,
                         rebuilt=False, verdicts=False)
     else:
@@ -106,6 +108,7 @@ def select_samples(params: Any) -> Selection:
                         error=ExportError)
         mix = build_mix(params, write=False, view=view, max_context=context_limit(params))
         where = "built here with the mix rule (no hidden/mix.parquet: 04 has not run)"
+        verified = "no hidden states"
     records = view.by_key()
     samples = []
     for s in mix.samples:
@@ -116,7 +119,8 @@ def select_samples(params: Any) -> Selection:
         samples.append(dataclasses.replace(s, finish_reason=rec.get("finish_reason"), record=rec))
     man = mix.manifest
     return Selection(samples=samples, skipped=list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
-                     include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where)
+                     include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where,
+                     hidden_verification=verified)
 
 
 def _check_index(hdir: Path, mix: Any) -> None:
@@ -133,6 +137,20 @@ def _check_index(hdir: Path, mix: Any) -> None:
         first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))
         raise ExportError(f"{path}: the hidden-state index ({len(stored)} samples) differs from the mix "
                           f"({len(want)}) at position {first}: finish 04 (or run it again) before exporting")
+
+
+def _check_verified(hdir: Path, run_dir: Path, allow: bool) -> str:
+    """Refuse a store that verify-hidden has not passed (its `index.json` entry), unless `export.allow_unverified`."""
+    if not (hdir / INFO_FILE).exists():
+        return "no hidden states"
+    ver = orjson.loads((hdir / INFO_FILE).read_bytes()).get("verification")
+    state = ("unverified" if ver is None else "passed" if ver.get("ok")
+             else f"FAILED ({ver.get('failed_samples')} of {ver.get('samples')} samples)")
+    if state != "passed" and not allow:
+        raise ExportError(f"{hdir / INFO_FILE}: the hidden states are {state}: run `python -m eagle3data "
+                          f"verify-hidden {run_dir}` and read hidden/verify.jsonl, or set "
+                          "export.allow_unverified true to export them anyway")
+    return state if state == "passed" else f"{state}, exported anyway (export.allow_unverified)"
 
 
 # ---------------------------------------------------------------- conversations
@@ -238,7 +256,7 @@ def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, count
         "run_dir": str(run_dir),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "selection": {"mix": sel.mix_source, "verdicts_present": sel.verdicts_present,
-                      "include_failed": sel.include_failed,
+                      "include_failed": sel.include_failed, "hidden_verification": sel.hidden_verification,
                       "rule": ("04's training mix: records that passed every audit check"
                                if sel.verdicts_present and not sel.include_failed
                                else "04's training mix, NO audit filter (no verdicts, or hidden.include_failed)")},
@@ -377,6 +395,8 @@ def export_cli(run: str, *, fmt: str, out: str) -> int:
     print(f"exported {m['exported']} samples ({m['ids_exact']} exact ids, {m['ids_rebuilt']} rebuilt), "
           f"{m['output_tokens']} output tokens -> {out}")
     print(f"skipped: {skipped}")
+    if m["selection"]["hidden_verification"] not in ("passed", "no hidden states"):
+        print(f"hidden states: {m['selection']['hidden_verification']}")
     dv = m["draft_vocab"]
     print(f"draft vocab {dv['draft_vocab_size']} of {dv['target_vocab_size']}: coverage {dv['coverage']:.2%}"
           + (f" ({dv['filled']} ids filled: fewer distinct output tokens than the size)" if dv["filled"] else ""))

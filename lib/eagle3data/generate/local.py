@@ -1,10 +1,10 @@
-"""Stage 01's local backend: the one batch loop, in process, exact ids.
+"""Stage 01's local backend: the one loop over continuous batching, in process, exact ids.
 
-`_run_local` fills each batch with up to `batch_size` prompts that are sent (a prompt whose dataset
-reached its token budget leaves its place to the next), journals every result as a `Record`
+`_run_local` hands the backend the next prompt that is sent whenever a slot frees (a prompt whose dataset
+reached its token budget leaves its place to the next), journals every finished row as a `Record`
 (`_local_record`), and queues a conversation's next turn once its turn is journaled (`turns: all`).
-A first SIGINT/SIGTERM or a `STOP` file stops after the batch in progress is journaled; a second
-signal drops that batch (`_LocalStop`).
+A first SIGINT/SIGTERM or a `STOP` file stops admitting prompts: the rows in flight finish and are
+journaled; a second signal drops them (`_LocalStop`).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def _local_record(params: RunParams, prompt: Prompt, prompt_ids: list[int], res:
 
 
 class _LocalStop:
-    """Stop requests for the local backend, which runs one batch at a time.
+    """Stop requests for the local backend.
 
-    First SIGINT/SIGTERM or a `STOP` file in the run folder: finish and journal the batch in
-    progress, then stop. A second signal raises KeyboardInterrupt inside the batch: it is
-    dropped, everything journaled before it stays.
+    First SIGINT/SIGTERM or a `STOP` file in the run folder: admit no more prompts, finish and
+    journal the rows in flight, then stop. A second signal raises KeyboardInterrupt inside the
+    model's work: those rows are dropped, everything journaled before it stays.
     """
 
     def __init__(self, stop_file: Path):
@@ -64,10 +64,10 @@ class _LocalStop:
     def on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.reason is None:
-            self.reason = f"{name} received: stopping after the batch in progress"
-            print(f"generate: {self.reason} (send it again to drop that batch)", file=sys.stderr)
+            self.reason = f"{name} received: stopping after the rows in flight"
+            print(f"generate: {self.reason} (send it again to drop them)", file=sys.stderr)
         elif not self.cancelled and self.in_batch:
-            self.reason += f"; second {name}: the batch in progress was dropped"
+            self.reason += f"; second {name}: the rows in flight were dropped"
             self.cancelled = True
             raise KeyboardInterrupt(self.reason)
 
@@ -79,14 +79,15 @@ class _LocalStop:
 
 def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, model: Any,
                progress: bool) -> tuple[int, str, str | None]:
-    """The local backend's one batch loop; (new records, status, stop reason).
+    """The local backend's one loop; (new records, status, stop reason).
 
-    The queue holds the pending prompts, shortest first (similar lengths together: less padding per
-    batch). Each batch is filled with up to `batch_size` prompts that are sent: a prompt whose dataset
-    has reached its token budget is skipped as it comes off the queue and the next one takes its place,
-    so batches stay full. With turns: all, a conversation's next turn is templated from its history once
-    the turn before it is journaled, and joins the queue (a `turns: last` prompt has no conversation).
-    A stop (signal or STOP file) is looked at between batches: the batch in progress is journaled first.
+    The queue holds the pending prompts, shortest first. The backend decodes up to `batch_size` rows
+    together and asks for the next prompt whenever a slot frees (continuous batching): a prompt whose
+    dataset has reached its token budget is skipped as it comes off the queue and the next one takes its
+    place, so slots stay full. Each finished row is journaled at once; with turns: all, a conversation's
+    next turn is templated from its history once the turn before it is journaled, and joins the queue
+    (a `turns: last` prompt has no conversation). A stop (signal or STOP file) ends the admissions: the
+    rows in flight finish and are journaled; a second signal drops them.
     """
     run_dir = params.run_dir
     ledger = plan.ledger
@@ -102,61 +103,70 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     live = Progress(progress, run_dir=run_dir, stage="01_generate")
     t_start = time.monotonic()
     stop = _LocalStop(run_dir / "STOP")
+    sent: dict[int, Prompt] = {}  # admitted, not yet journaled: what a second signal drops
 
     def show(final: bool = False) -> None:
         f = generate_figures(ledger, counts=counts, elapsed_s=time.monotonic() - t_start, session_done=new,
                              stop_reason=stop.reason)
         live.update(generate_line(f, final=final), final=final, figures=f)
 
+    def pull() -> tuple[tuple[Prompt, list[int], Conversation | None], list[int]] | None:
+        """The next prompt that is sent, or None (queue empty or a stop requested); never interrupted."""
+        stop.in_batch = False
+        try:
+            while queue and not stop.requested():
+                p, ids = queue.popleft()
+                conv = plan.conversations.get((p.dataset, str(p.sample_id)))  # None: a turns: last dataset
+                b = budgets.get(p.dataset)
+                if b is not None and ledger[p.dataset].tokens(counts) >= b:
+                    ledger[p.dataset].budget_reached = True
+                    ledger[p.dataset].skip(p.sample_id)
+                    if conv is not None:
+                        ledger[p.dataset].end_conversation("budget")
+                    continue
+                sent[id(p)] = p
+                return (p, ids, conv), ids
+            return None
+        finally:
+            stop.in_batch = True
+
     show()
-    bs = params.generate.batch_size
-    chunk: list[tuple[Prompt, list[int], Conversation | None]] = []
+    rows = backend.stream(pull)
     try:
         with _stop_signals(stop.on_signal):
-            while queue and not stop.requested():
-                chunk = []
-                while queue and len(chunk) < bs:
-                    p, ids = queue.popleft()
-                    conv = plan.conversations.get((p.dataset, str(p.sample_id)))  # None: a turns: last dataset
-                    b = budgets.get(p.dataset)
-                    if b is not None and ledger[p.dataset].tokens(counts) >= b:
-                        ledger[p.dataset].budget_reached = True
-                        ledger[p.dataset].skip(p.sample_id)
-                        if conv is not None:
-                            ledger[p.dataset].end_conversation("budget")
-                        continue
-                    chunk.append((p, ids, conv))
-                if not chunk:
-                    continue
+            while True:
                 stop.in_batch = True
-                results = backend.generate_batch([ids for _, ids, _ in chunk])
-                stop.in_batch = False
-                for (p, ids, conv), res in zip(chunk, results):
-                    led = ledger[p.dataset]
-                    rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
-                    end, tp, nids = "single", None, None
-                    if conv is not None:  # the next turn is templated before this record is written (too_long)
-                        rec["turn"] = conv.turn
-                        end, tp, nids = _take_turn(params, conv, rec, led, tokenizer, profile)
-                    j = journals.get(p.dataset) or journals.setdefault(
-                        p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
-                    j.write(rec)
-                    led.add_record(rec)
-                    new += 1
-                    if end is not None:
-                        continue
+                try:
+                    (p, ids, conv), res = next(rows)
+                except StopIteration:
+                    break
+                finally:
+                    stop.in_batch = False
+                led = ledger[p.dataset]
+                rec = _local_record(params, p, ids, res, profile, tokenizer).model_dump(mode="json")
+                end, tp, nids = "single", None, None
+                if conv is not None:  # the next turn is templated before this record is written (too_long)
+                    rec["turn"] = conv.turn
+                    end, tp, nids = _take_turn(params, conv, rec, led, tokenizer, profile)
+                j = journals.get(p.dataset) or journals.setdefault(
+                    p.dataset, Journal(run_dir / "records" / f"{p.dataset}.jsonl"))
+                j.write(rec)
+                led.add_record(rec)
+                del sent[id(p)]
+                new += 1
+                if end is None:
                     assert tp is not None and nids is not None
                     led.planned += 1
                     queue.append((tp, nids))
-                chunk = []
                 write_ledger(run_dir, ledger, "running", {"source": "local"})
                 show()
     except KeyboardInterrupt:
         if not stop.cancelled:
             raise  # not ours (e.g. a notebook's interrupt outside the handlers' reach)
-        for p, _, _ in chunk:  # the batch that was dropped
+        for p in sent.values():  # the rows in flight were dropped
             ledger[p.dataset].cancel(p.sample_id)
     finally:
+        rows.close()
         for j in journals.values():
             j.close()
     for p, _ in queue:  # never sent: a stop came first (the conversation goes on at resume)
@@ -165,4 +175,3 @@ def _run_local(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, m
     if stop.reason is None:
         return new, "finished", None
     return new, "cancelled" if stop.cancelled else "stopped", stop.reason
-

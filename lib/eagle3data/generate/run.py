@@ -4,9 +4,10 @@
 journal already holds (resume keyed by `(dataset, sample_id)`; a torn last line is cut off
 and reported), and generates with the backend named in params:
 
-- `local`: batched in-process generation; exact ids. Batches are filled with prompts that are sent
-  (one a budget skips leaves its place to the next). A first SIGINT/SIGTERM or a `STOP` file
-  stops after the batch in progress is journaled; a second signal drops that batch.
+- `local`: in-process generation, continuous batching; exact ids. A slot that frees is filled with
+  the next prompt that is sent (one a budget skips leaves its place to the next). A first
+  SIGINT/SIGTERM or a `STOP` file stops admitting prompts and journals the rows in flight; a second
+  signal drops them.
 - `sglang`: the native `/generate` endpoint with pre-templated `input_ids`; exact ids.
 - `vllm`: vLLM's `/v1/completions` with pre-templated token-id prompts and `return_token_ids`;
   exact ids.
@@ -24,7 +25,7 @@ turn from the model's own earlier replies (`turns.py`; one record per turn, keye
 conversation's turns in order and conversations concurrently; resume replays the journaled turns.
 
 Where each part lives: the plan (what to send, resume by key, each conversation's next turn) in
-`plan.py`, the local batch loop in `local.py`, the SIGINT/SIGTERM routing in `signals.py`; this
+`plan.py`, the local loop (continuous batching) in `local.py`, the SIGINT/SIGTERM routing in `signals.py`; this
 module runs them: the HTTP engine's set-up and hooks, asyncio from plain Python or a notebook's
 running loop, the garbage collector kept off what lives as long as the run, the summary.
 """

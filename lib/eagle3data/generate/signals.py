@@ -1,6 +1,6 @@
 """SIGINT/SIGTERM while stage 01 runs: routed to the run's own handler, then given back.
 
-The local batch loop (`local._LocalStop.on_signal`) and the HTTP engine (`Engine.on_signal`, through
+The local loop (`local._LocalStop.on_signal`) and the HTTP engine (`Engine.on_signal`, through
 the event loop) each install theirs with `_stop_signals` for as long as the run lasts.
 """
 

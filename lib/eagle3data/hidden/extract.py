@@ -49,6 +49,7 @@ from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Valida
 from eagle3data.core.provenance import write_provenance
 from eagle3data.core.quant import StateCodec
 from eagle3data.hidden.vllm_capture import capture_vllm, engine_layer_ids
+from eagle3data.hidden.verify import VerifyResult, verify_store
 
 STAGE = "04_extract_hidden"
 
@@ -208,7 +209,6 @@ def load_extract_model(params: RunParams) -> Any:
 def load_config(params: RunParams) -> Any:
     """The model's config without loading weights (layer count, hidden size, context)."""
     from transformers import AutoConfig
-
 
     return AutoConfig.from_pretrained(str(resolve_model_path(params.model.path)),
                                       trust_remote_code=params.model.trust_remote_code)
@@ -395,6 +395,7 @@ class ExtractResult:
     merged: bool
     index: Any = None
     validation: "Validation | None" = None
+    verification: VerifyResult | None = None  # verify-hidden's pass at the end (`hidden.verify_after`)
     waiting_for: int = 0
     plan: ExtractPlan | None = field(default=None, repr=False)  # the plan executed (its mix, layers, estimate)
 
@@ -434,6 +435,7 @@ class ExtractResult:
             "tokens_per_s": self.stats.get("tokens_per_s"),
             "estimated_bytes": self.estimate.bytes if self.estimate else None,
             "validation_problems": None if v is None else len(v.problems),
+            "verify_failed_samples": None if self.verification is None else self.verification.summary["failed_samples"],
             "merged": self.merged,
         }
 
@@ -551,6 +553,11 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     result.index = index
     if hp.validate_after:
         result.validation = validate_store(params, mix=mix)
+    if hp.verify_after:  # the model at hand recomputes a few samples per shard (docs/04 Verify); vLLM: none here
+        make = lambda: Capture(plan.model if plan.model is not None else load_extract_model(params), layers,  # noqa: E731
+                               _torch_dtype(hp.dtype), hp.final_state)
+        result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions,
+                                           recompute=hp.verify_recompute if hp.backend == "hf" else 0)
     return result
 
 

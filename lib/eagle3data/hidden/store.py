@@ -501,10 +501,33 @@ class Validation:
             "skipped (too long)": self.too_long, "problems": len(self.problems), "ok": self.ok}, dtype=object)})
 
 
-def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
-    """Re-read every sample: shape [n, states, hidden], finite, ids and mask equal to the source records, coverage."""
+def sample_problems(smp: dict[str, Any], src: Sample | None, states_hidden: tuple[int, int],
+                    dtype: Any) -> list[tuple[str, str]]:
+    """One stored sample's (check, detail) problems: shape and dtype, finite, lengths, ids and mask vs its record."""
     import torch
 
+    n = int(smp["length"])
+    hs, ids, mask = smp["hidden_states"], smp["input_ids"], smp["loss_mask"]
+    out: list[tuple[str, str]] = []
+    want = (n, *states_hidden)
+    if tuple(hs.shape) != want or hs.dtype != dtype:
+        out.append(("shape", f"{tuple(hs.shape)} {hs.dtype}, expected {want} {dtype}"))
+    elif not bool(torch.isfinite(hs).all()):
+        out.append(("finite", f"{int((~torch.isfinite(hs)).sum())} NaN/Inf values"))
+    if len(ids) != n or len(mask) != n:
+        out.append(("mask_length", f"{len(ids)} ids, {len(mask)} mask values for {n} states"))
+    if src is None:
+        out.append(("source", "not found in the run's records / reconstruct files"))
+    else:
+        if ids.tolist() != src.input_ids:
+            out.append(("ids", "stored input_ids differ from the source record"))
+        if mask.tolist() != src.loss_mask:
+            out.append(("mask", "stored loss_mask differs from the source record"))
+    return out
+
+
+def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
+    """Re-read every sample: shape [n, states, hidden], finite, ids and mask equal to the source records, coverage."""
     hdir = hidden_dir(params)
     reader = HiddenReader(hdir)
     mix = mix or read_mix(hdir)
@@ -520,24 +543,9 @@ def validate_store(params: RunParams, *, mix: Mix | None = None) -> Validation:
     tokens = 0
     for smp in reader:
         seen += 1
-        n = int(smp["length"])
-        tokens += n
-        hs, ids, mask = smp["hidden_states"], smp["input_ids"], smp["loss_mask"]
-        want = (n, len(reader.states), hsize)
-        if tuple(hs.shape) != want or hs.dtype != dtype:
-            bad(smp, "shape", f"{tuple(hs.shape)} {hs.dtype}, expected {want} {dtype}")
-        elif not bool(torch.isfinite(hs).all()):
-            bad(smp, "finite", f"{int((~torch.isfinite(hs)).sum())} NaN/Inf values")
-        if len(ids) != n or len(mask) != n:
-            bad(smp, "mask_length", f"{len(ids)} ids, {len(mask)} mask values for {n} states")
-        src = sources.get(SampleKey.of(smp))
-        if src is None:
-            bad(smp, "source", "not found in the run's records / reconstruct files")
-        else:
-            if ids.tolist() != src.input_ids:
-                bad(smp, "ids", "stored input_ids differ from the source record")
-            if mask.tolist() != src.loss_mask:
-                bad(smp, "mask", "stored loss_mask differs from the source record")
+        tokens += int(smp["length"])
+        for check, detail in sample_problems(smp, sources.get(SampleKey.of(smp)), (len(reader.states), hsize), dtype):
+            bad(smp, check, detail)
     too_long = len(reader.info.get("too_long", []))
     if seen != len(mix.samples) or reader.keys() != [str(s.key) for s in mix.samples]:
         problems.append({"key": "*", "dataset": "*", "sample_id": "*", "check": "coverage",

@@ -1,0 +1,235 @@
+"""`eagle3data verify-hidden`: prove that the stored states are the target's own (docs/04 "Verify").
+
+One streamed pass over the store (through `HiddenReader`, each shard read once) computes the
+figures of every sample (`verify_checks.sample_figures`: finiteness, flat rows, duplicate
+layers, the final state's kind, the target's head at sampled positions, the norm profile) and
+the store checks that 04's validation has always made (shape, ids, mask, coverage); samples
+picked for recompute are run through the target again by a recompute backend and compared
+layer by layer. The verdicts come after the pass, once the run's own spread is known.
+
+Writes `hidden/verify.jsonl` (one line per stored sample: `key`, `failed`, the figures) and
+`hidden/verify_summary.json` (per check: applicable, failed, the 95% upper bound), and records
+the outcome in `hidden/index.json` (`verification`), which 05 reads before it exports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import orjson
+
+from eagle3data.core.models import resolve_model_path
+from eagle3data.core.params import RunParams
+from eagle3data.core.reader import SampleKey, read_run
+from eagle3data.core.stats import upper95
+from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
+from eagle3data.hidden.store import INFO_FILE, HiddenReader, _torch_dtype, sample_problems
+from eagle3data.hidden.verify_checks import (CHECKS, MIN_PROFILE_SAMPLES, VerifyError, compare_states, judge,
+                                             load_head, profile_stats, recompute_failed, sample_figures)
+
+VERIFY_FILE = "verify.jsonl"
+SUMMARY_FILE = "verify_summary.json"
+RECOMPUTE_GROUP = 256  # per-sample layouts: "a shard" for the default recompute is this many samples
+DEFAULT_RECOMPUTE = 2  # samples recomputed per shard by default
+DEFAULT_POSITIONS = 64  # head positions per sample (output and prompt each) by default
+
+# A recompute backend: what `extract.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
+# store's order and dtype, and `close()`. `verify_store` takes a factory of one, called only when a sample is picked.
+Backend = Callable[[], Any]
+
+
+def recompute_picks(reader: HiddenReader, per_shard: int | str) -> set[str]:
+    """Keys to recompute: `all`, or `per_shard` per shard (per RECOMPUTE_GROUP samples in per-sample layouts),
+    the same on every run (smallest hash of the key)."""
+    keys = reader.keys()
+    if per_shard == "all":
+        return set(keys)
+    k = int(per_shard)
+    if k <= 0:
+        return set()
+    groups: dict[Any, list[str]] = {}
+    for i, key in enumerate(keys):
+        g = reader.index.iloc[i]["shard"] if reader.layout == "shards" else i // RECOMPUTE_GROUP
+        groups.setdefault(g, []).append(key)
+    h = lambda s: hashlib.blake2b(s.encode(), digest_size=8).digest()  # noqa: E731
+    return {key for ks in groups.values() for key in sorted(ks, key=h)[:k]}
+
+
+@dataclass
+class VerifyResult:
+    """What `verify_store` found: a line per sample, the per-check counts, where they were written."""
+
+    hidden_dir: Path
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    lines_path: Path
+    store_problems: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.summary["ok"])
+
+    def table(self):
+        """Per check: what it proves, applicable samples, failed, and the 95% upper bound on its failure rate."""
+        import pandas as pd
+
+        df = pd.DataFrame.from_dict(self.summary["checks"], orient="index")
+        df.index.name = "check"
+        df["upper95"] = [("" if v is None else f"{v:.2%}") for v in df["upper95"]]
+        return df[["applicable", "failed", "upper95", "what"]]
+
+    def failed_table(self):
+        """The samples that failed something, with the check names."""
+        import pandas as pd
+
+        bad = [{"key": r["key"], "failed": ", ".join(r["failed"])} for r in self.rows if r["failed"]]
+        bad += [{"key": p["key"], "failed": f"{p['check']}: {p['detail']}"} for p in self.store_problems]
+        return pd.DataFrame(bad, columns=["key", "failed"])
+
+    def line(self) -> str:
+        s = self.summary
+        failed = {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}
+        return (f"verify-hidden: {s['samples']} samples, {s['failed_samples']} failed"
+                + (f" ({', '.join(f'{k} {v}' for k, v in failed.items())})" if failed else "")
+                + f"; recomputed {s['recomputed']}; head at {s['positions']} positions per sample"
+                + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
+
+
+def _greedy_keys(view: Any, datasets: Sequence[str]) -> set[str]:
+    """Keys of records sampled greedily (temperature 0) with exact ids: their head top-1 is checked."""
+    out = set()
+    for r in view.records(datasets):
+        t = (r.get("sampling") or {}).get("temperature")
+        if t is not None and float(t) == 0.0 and r.get("ids_exact"):
+            out.add(str(SampleKey.of(r)))
+    return out
+
+
+def verify_store(params: RunParams, *, config: Any, backend: Backend | None = None,
+                 recompute: int | str = DEFAULT_RECOMPUTE, positions: int = DEFAULT_POSITIONS,
+                 out: str | Path | None = None) -> VerifyResult:
+    """Verify every stored sample of a run (one streamed pass); write the lines, the summary, index.json's entry.
+
+    `config`: the target's config (norm eps, tied head); `backend`: makes the recompute backend (see
+    `Backend`), needed when `recompute` (samples per shard run through the target again; `all`; 0
+    for none) picks any; `positions`: output and prompt positions per sample given to the head (0 = all).
+    """
+    t0 = time.perf_counter()
+    hdir = hidden_dir(params)
+    reader = HiddenReader(hdir)
+    info = reader.info
+    names = reader.states
+    dtype = _torch_dtype(info["dtype"])
+    mix = read_mix(hdir)
+    datasets = _chosen(params)
+    view = read_run(params.run_dir, datasets, verdicts=False)
+    sources = view.samples(datasets)
+    greedy = _greedy_keys(view, datasets)
+    head = load_head(resolve_model_path(params.model.path), config)
+    picks = recompute_picks(reader, recompute)
+    redo = None
+    if picks:
+        if backend is None:
+            raise VerifyError(f"{len(picks)} samples picked for recompute, but no recompute backend was given")
+        redo = backend()
+    rows: list[dict[str, Any]] = []
+    store_problems: list[dict[str, Any]] = []
+    recompute_s = 0.0
+    try:
+        for smp in reader:
+            key = str(SampleKey.of(smp))
+            hs = smp["hidden_states"]
+            row: dict[str, Any] = {"key": key, "position": int(smp["position"]), "length": int(smp["length"]),
+                                   "greedy": key in greedy}
+            probs = sample_problems(smp, sources.get(SampleKey.of(smp)), (len(names), info["hidden_size"]), dtype)
+            row["store"] = [c for c, _ in probs]
+            if "shape" not in row["store"]:
+                row.update(sample_figures(key, hs, smp["input_ids"], smp["loss_mask"], names, head, positions))
+                if key in picks:
+                    t1 = time.perf_counter()
+                    ref = redo.run(smp["input_ids"].long()[None])[0].cpu()
+                    row["recompute"] = compare_states(hs, ref, names, info["dtype"])
+                    recompute_s += time.perf_counter() - t1
+            rows.append(row)
+    finally:
+        if redo is not None:
+            redo.close()
+    if len(rows) != len(mix.samples) or reader.keys() != [str(s.key) for s in mix.samples]:
+        store_problems.append({"key": "*", "check": "coverage",
+                               "detail": f"{len(rows)} stored samples, {len(mix.samples)} in the mix: the index "
+                                         "must hold exactly the mix's keys in mix order"})
+    rows.sort(key=lambda r: r["position"])  # the reader goes shard by shard; the lines follow the mix order
+    judged = [r for r in rows if "log_rms" in r]
+    stats = profile_stats(judged)
+    with_profile = len(judged) >= MIN_PROFILE_SAMPLES
+    for r in rows:
+        failed = [c for c in r.pop("store") if c != "finite"]  # NaN is judged below, from the figures
+        if "log_rms" in r:
+            more, z = judge(r, stats, greedy=r["greedy"], judge_profile=with_profile)
+            failed += more
+            r["z"] = z
+            if "recompute" in r and recompute_failed(r["recompute"]):
+                failed.append("recompute")
+        r["failed"] = sorted(set(failed))
+    summary = _summary(rows, store_problems, info, picks, positions, with_profile, stats)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    summary["recompute_seconds"] = round(recompute_s, 3)
+    lines = Path(out) if out else hdir / VERIFY_FILE
+    summary["lines"] = str(lines)
+    _write(lines, b"".join(orjson.dumps(_line(r)) + b"\n" for r in rows))
+    _write(hdir / SUMMARY_FILE, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    _record_in_index(hdir, summary)
+    return VerifyResult(hdir, rows, summary, lines, store_problems)
+
+
+def _line(r: dict[str, Any]) -> dict[str, Any]:
+    return {"key": r["key"], "failed": r["failed"], **{k: v for k, v in r.items() if k not in ("key", "failed")}}
+
+
+def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], info: dict[str, Any],
+             picks: set[str], positions: int, with_profile: bool, stats: dict[str, Any]) -> dict[str, Any]:
+    n = len(rows)
+    judged = sum(1 for r in rows if "log_rms" in r)
+    applicable = {c: n for c in ("shape", "ids", "mask", "mask_length", "source")}
+    applicable |= {c: judged for c in ("finite", "flat_rows", "layer_duplicate", "final_kind", "head_logprob",
+                                       "prompt_logprob")}
+    applicable["head_top1"] = sum(1 for r in rows if r.get("greedy") and r.get("out_positions"))
+    applicable["norm_profile"] = judged if with_profile else 0
+    applicable["recompute"] = sum(1 for r in rows if "recompute" in r)
+    checks = {}
+    for c, what in CHECKS.items():
+        a = applicable.get(c, 0)
+        f = sum(1 for r in rows if c in r["failed"])
+        checks[c] = {"applicable": a, "failed": f, "upper95": None if a == 0 else round(upper95(f, a), 6),
+                     "what": what}
+    checks["coverage"] = {"applicable": 1, "failed": len(store_problems), "upper95": None,
+                          "what": "the index holds exactly the mix's keys in mix order"}
+    failed_samples = sum(1 for r in rows if r["failed"])
+    return {"ok": failed_samples == 0 and not store_problems, "samples": n, "failed_samples": failed_samples,
+            "tokens": sum(r["length"] for r in rows), "states": list(info.get("states") or []),
+            "final_state": info.get("final_state"), "layout": info.get("layout", "shards"), "dtype": info["dtype"],
+            "positions": positions or "all", "recomputed": len(picks & {r["key"] for r in rows}),
+            "norm_profile": ("judged" if with_profile else f"not judged: fewer than {MIN_PROFILE_SAMPLES} samples"),
+            "run_centre": {k: {nm: [round(m, 4), round(s, 4)] for nm, (m, s) in v.items()} for k, v in stats.items()},
+            "checks": checks, "store_problems": store_problems, "verified_at": time.time()}
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(path) + tmp_tag()
+    Path(tmp).write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _record_in_index(hdir: Path, summary: dict[str, Any]) -> None:
+    """04's manifest (`index.json`) records the verification: ok, counts, when; 05 reads it."""
+    info = orjson.loads((hdir / INFO_FILE).read_bytes())
+    info["verification"] = {k: summary[k] for k in ("ok", "samples", "failed_samples", "recomputed", "positions",
+                                                     "verified_at")}
+    info["verification"]["failed_checks"] = {k: v["failed"] for k, v in summary["checks"].items() if v["failed"]}
+    _write(hdir / INFO_FILE, orjson.dumps(info, option=orjson.OPT_INDENT_2))

@@ -1,0 +1,74 @@
+"""`python -m eagle3data verify-hidden RUN_DIR`: the run's params, the recompute backends, the exit status.
+
+A recompute backend is a factory of what `extract.Capture` is (`run(input_ids) -> states`,
+`close()`), so the forward is 04's own: `hf` is `Capture` on the target loaded as 04 loads it;
+another engine's backend (issue 23, vLLM) registers in `BACKENDS` with the same signature.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from eagle3data.core.params import RunParams
+from eagle3data.core.provenance import params_of_run
+from eagle3data.hidden.extract import Capture, layer_plan, load_config, load_extract_model
+from eagle3data.hidden.mix import hidden_dir
+from eagle3data.hidden.store import HiddenReader, _torch_dtype
+from eagle3data.hidden.verify import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
+from eagle3data.hidden.verify_checks import VerifyError
+
+
+def hf_backend(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
+    """The HF forward of 04 (`Capture` on the target), checked to capture the layers the store says."""
+    layers = layer_plan(params, config)
+    if list(layers.hf_indices) != list(info.get("hf_indices") or layers.hf_indices):
+        raise VerifyError(f"the store holds HF indices {info.get('hf_indices')}, the model's layer plan is "
+                          f"{list(layers.hf_indices)}: not the store's target")
+
+    def make() -> Capture:
+        m = model if model is not None else load_extract_model(params)
+        return Capture(m, layers, _torch_dtype(info["dtype"]), info.get("final_state", "both"))
+
+    return make
+
+
+BACKENDS: dict[str, Callable[..., Callable[[], Any]]] = {"hf": hf_backend}
+
+
+def parse_recompute(value: str | None) -> int | str:
+    """`--recompute N|all` (None: the default per shard)."""
+    if value is None:
+        return DEFAULT_RECOMPUTE
+    if value == "all":
+        return "all"
+    try:
+        n = int(value)
+    except ValueError:
+        raise VerifyError(f"verify-hidden --recompute {value!r}: a count of samples per shard, or `all`") from None
+    if n < 0:
+        raise VerifyError(f"verify-hidden --recompute {value!r}: must be >= 0")
+    return n
+
+
+def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: str | None,
+               backend: str = "hf") -> int:
+    """Verify a run's store; print one line and each failing sample; exit 0 when all pass, 1 when any fails."""
+    run_dir = Path(run)
+    if not run_dir.is_dir():
+        raise VerifyError(f"{run_dir}: not a run folder (outputs/<run>)")
+    if positions is not None and positions < 0:
+        raise VerifyError(f"verify-hidden --positions {positions}: must be >= 0 (0 = every position)")
+    per_shard = parse_recompute(recompute)
+    params = params_of_run(run_dir)
+    info = HiddenReader(hidden_dir(params)).info
+    config = load_config(params)
+    res = verify_store(params, config=config, backend=BACKENDS[backend](params, info, config), recompute=per_shard,
+                       positions=DEFAULT_POSITIONS if positions is None else positions, out=out)
+    print(res.line())
+    for r in res.rows:
+        if r["failed"]:
+            print(f"  FAIL {r['key']}: {', '.join(r['failed'])}")
+    for p in res.store_problems:
+        print(f"  FAIL {p['check']}: {p['detail']}")
+    return 0 if res.ok else 1

@@ -1,0 +1,287 @@
+"""verify-hidden: a store whose states are not the target's own is caught, sample by sample.
+
+The store is 04's own extraction of the committed nbval fixture run (SmolLM2, 7 local greedy
+records) plus one record cut to the length of another (so two samples of the same length can be
+swapped). Each mutation changes a copy of the store on disk the way an engine bug would; the
+verification must flag that sample (both samples of a swap) and no other, by a cheap check and by
+the recompute; the clean store, and a store in each trainer's layout, must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from eagle3data.cli import main as cli_main
+from eagle3data.core.params import load_params
+from eagle3data.export.run import ExportError, export_format
+from eagle3data.hidden.extract import load_config, run_extract
+from eagle3data.hidden.mix import hidden_dir
+from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.verify_checks import load_head
+from eagle3data.hidden.verify_run import BACKENDS, parse_recompute
+from eagle3data.hidden.verify import verify_store
+from eagle3data.core.models import resolve_model_path
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "fixtures" / "runs" / "nbval"
+TWIN = ("b4_mixturethoughts", 4001, 4003)  # 4001 cut to 4003's length (same length, other prompt)
+
+
+def _make_run(root: Path, **over) -> object:
+    """The nbval fixture records plus the same-length twin, with 04's params (no auto-verify)."""
+    rec = root / "nbval" / "records"
+    shutil.copytree(FIXTURE / "records", rec)
+    path = rec / f"{TWIN[0]}.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    by_id = {r["sample_id"]: r for r in lines}
+    a, b = by_id[TWIN[1]], by_id[TWIN[2]]
+    cut = len(b["prompt_ids"]) + len(b["output_ids"]) - len(a["prompt_ids"])
+    twin = {**a, "sample_id": 4009, "output_ids": a["output_ids"][:cut], "finish_reason": "length"}
+    path.write_text(path.read_text() + json.dumps(twin) + "\n")
+    base = {"output_root": str(root), "hidden.probe_batches": 0, "hidden.verify_after": False}
+    return load_params(REPO / "tests" / "fixtures" / "nbval.yaml", {**base, **over})
+
+
+_MODEL = {}
+
+
+def _model(p):
+    from eagle3data.core.models import model_for
+
+    return _MODEL.setdefault("m", model_for(p))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """04's clean store of the fixture run (shards, both final states), not verified yet. Do not change it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RANK", raising=False)
+        mp.delenv("WORLD_SIZE", raising=False)
+        p = _make_run(tmp_path_factory.mktemp("verify"))
+        res = run_extract(p, progress=False, model=_model(p))
+    assert res.merged and res.validation.ok
+    return p
+
+
+def _copy(p, tmp_path):
+    """A private copy of the run (records, provenance, store) for one mutation."""
+    dst = tmp_path / "run"
+    shutil.copytree(p.run_dir, dst / p.run_name)
+    return load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
+                       {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.verify_after": False})
+
+
+class _Memo:
+    """The HF recompute backend (04's Capture), each distinct sequence forwarded once for the module."""
+
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def __init__(self, capture):
+        self.capture = capture
+
+    def run(self, input_ids):
+        k = tuple(input_ids[0].tolist())
+        if k not in self.seen:
+            self.seen[k] = self.capture.run(input_ids)
+        return self.seen[k]
+
+    def close(self):
+        self.capture.close()
+
+
+def _verify(p, recompute=0, positions=0):
+    """verify-hidden on a run with the HF recompute backend (one model for the whole module)."""
+    cfg = load_config(p)
+    info = HiddenReader(hidden_dir(p)).info
+    make = BACKENDS["hf"](p, info, cfg, model=_model(p))
+    return verify_store(p, config=cfg, backend=lambda: _Memo(make()), recompute=recompute, positions=positions)
+
+
+def _failed(res) -> dict[str, list[str]]:
+    return {r["key"]: r["failed"] for r in res.rows if r["failed"]}
+
+
+def _mutate(p, change) -> None:
+    """Apply `change(hs, rows, mask)` to the store's states on disk: `hs` is every shard's states end to end,
+    `rows` each key's (start, length) in it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    rd = HiddenReader(hidden_dir(p))
+    shards = sorted(set(rd.index["shard"]))
+    files = {s: load_file(str(hidden_dir(p) / s)) for s in shards}
+    base, start = {}, 0
+    for s in shards:
+        base[s] = start
+        start += files[s]["hidden_states"].shape[0]
+    hs = torch.cat([files[s]["hidden_states"] for s in shards])
+    mask = torch.cat([files[s]["loss_mask"] for s in shards])
+    rows = {k: (base[rd.index.iloc[i]["shard"]] + int(rd.index.iloc[i]["offset"]), int(rd.index.iloc[i]["length"]))
+            for i, k in enumerate(rd.keys())}
+    change(hs, rows, mask)
+    for s in shards:
+        with safe_open(str(hidden_dir(p) / s), framework="pt") as f:
+            meta = f.metadata()
+        n = files[s]["hidden_states"].shape[0]
+        files[s]["hidden_states"] = hs[base[s]:base[s] + n].clone()
+        save_file(files[s], str(hidden_dir(p) / s), metadata=meta)
+
+
+def _prompt_len(mask, a, n):
+    return int((mask[a:a + n] == 0).sum())
+
+
+TARGET = "b1_glaive/1602"
+SAME_A, SAME_B = f"{TWIN[0]}/{TWIN[2]}", f"{TWIN[0]}/4009"
+
+
+def m_zero(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a + 5:a + 9] = 0
+
+
+def m_nan(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a + 3, 1, 7] = float("nan")
+
+
+def m_shift(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a:a + n] = torch.roll(hs[a:a + n].clone(), -1, dims=0)
+
+
+def m_swap_samples(hs, rows, mask):
+    (a, n), (b, m) = rows[SAME_A], rows[SAME_B]
+    assert n == m
+    x = hs[a:a + n].clone()
+    hs[a:a + n] = hs[b:b + m]
+    hs[b:b + m] = x
+
+
+def m_swap_aux(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a:a + n, [0, 1]] = hs[a:a + n, [1, 0]].clone()
+
+
+def m_aux_twice(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a:a + n, 2] = hs[a:a + n, 1]
+
+
+def m_post_as_pre(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a:a + n, 3] = _HEAD.norm(hs[a:a + n, 3]).to(hs.dtype)  # the store says pre-norm, holds post-norm
+
+
+def m_pre_as_post(hs, rows, mask):
+    a, n = rows[TARGET]
+    hs[a:a + n, 4] = (hs[a:a + n, 3].float() * 1.001).to(hs.dtype)  # says post-norm, holds (about) the pre-norm
+
+
+def m_prompt_from_other(hs, rows, mask):
+    a, n = rows[TARGET]
+    c, m = rows["b4_mixturethoughts/4001"]
+    k = min(_prompt_len(mask, a, n), m)
+    hs[a:a + k] = hs[c:c + k].clone()
+
+
+_HEAD = None
+MUTATIONS = {
+    "zeroed_rows": (m_zero, {TARGET}, "flat_rows"),
+    "nan": (m_nan, {TARGET}, "finite"),
+    "shifted_one_position": (m_shift, {TARGET}, "head_top1"),
+    "same_length_samples_swapped": (m_swap_samples, {SAME_A, SAME_B}, "head_top1"),
+    "aux_layers_swapped": (m_swap_aux, {TARGET}, "norm_profile"),
+    "aux_layer_stored_twice": (m_aux_twice, {TARGET}, "layer_duplicate"),
+    "post_norm_said_pre_norm": (m_post_as_pre, {TARGET}, "final_kind"),
+    "pre_norm_said_post_norm": (m_pre_as_post, {TARGET}, "final_kind"),
+    "prompt_from_another_sample": (m_prompt_from_other, {TARGET}, "prompt_logprob"),
+}
+
+
+def test_the_clean_store_passes_every_check_with_recompute_all(clean, tmp_path):
+    p = _copy(clean, tmp_path)
+    res = _verify(p, recompute="all")
+    assert _failed(res) == {} and res.ok, _failed(res)
+    s = res.summary
+    assert s["samples"] == 8 and s["recomputed"] == 8 and s["norm_profile"] == "judged"
+    assert s["checks"]["recompute"]["applicable"] == 8 and s["checks"]["head_top1"]["applicable"] == 8
+    assert s["checks"]["finite"]["upper95"] == pytest.approx(3 / 8)  # rule of three, as 03 states it
+    lines = [orjson.loads(x) for x in (hidden_dir(p) / "verify.jsonl").read_bytes().splitlines()]
+    assert [x["key"] for x in lines] == HiddenReader(hidden_dir(p)).keys() and all(x["failed"] == [] for x in lines)
+    assert all(x["out_top1"] >= 0.85 for x in lines)
+    info = orjson.loads((hidden_dir(p) / "index.json").read_bytes())
+    assert info["verification"]["ok"] is True and info["verification"]["samples"] == 8
+
+
+@pytest.mark.parametrize("kind", list(MUTATIONS))
+def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
+    global _HEAD
+    if _HEAD is None:
+        _HEAD = load_head(resolve_model_path(clean.model.path), load_config(clean))
+    change, keys, check = MUTATIONS[kind]
+    p = _copy(clean, tmp_path)
+    _mutate(p, change)
+    res = _verify(p, recompute="all", positions=32)
+    failed = _failed(res)
+    assert set(failed) == keys, failed
+    for k in keys:
+        assert check in failed[k], failed  # caught by the cheap check named ...
+        assert set(failed[k]) - {"recompute"}, failed  # ... without the recompute
+        assert "recompute" in failed[k], failed  # and by the recompute
+    assert not res.ok
+
+
+@pytest.mark.parametrize("layout,final_state", [("specforge", "post_norm"), ("speculators", "pre_norm")])
+def test_a_store_in_each_trainer_layout_passes(tmp_path, monkeypatch, layout, final_state):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = _make_run(tmp_path, **{"hidden.layout": layout, "hidden.final_state": final_state,
+                               "hidden.verify_after": True, "hidden.verify_positions": 0})
+    res = run_extract(p, progress=False, model=_model(p))
+    ver = res.verification
+    assert ver is not None and ver.ok and _failed(ver) == {}, _failed(ver)
+    assert ver.summary["layout"] == layout and ver.summary["states"][-1] == final_state
+    assert ver.summary["recomputed"] >= 1
+
+
+def test_cli_exit_status_and_bad_input(clean, tmp_path, capsys):
+    p = _copy(clean, tmp_path)
+    run = str(p.run_dir)
+    assert cli_main(["verify-hidden", run, "--recompute", "0", "--positions", "8"]) == 0
+    assert "8 samples, 0 failed" in capsys.readouterr().out
+    _mutate(p, m_zero)
+    out = tmp_path / "lines.jsonl"
+    assert cli_main(["verify-hidden", run, "--recompute", "1", "--out", str(out)]) == 1
+    assert f"FAIL {TARGET}: flat_rows" in capsys.readouterr().out
+    assert len(out.read_bytes().splitlines()) == 8
+    assert cli_main(["verify-hidden", run, "--recompute", "some"]) == 2
+    assert "verify-hidden --recompute 'some'" in capsys.readouterr().err
+    assert cli_main(["verify-hidden", str(tmp_path / "nowhere")]) == 2
+    with pytest.raises(Exception):
+        parse_recompute("-1")
+
+
+def test_export_refuses_an_unverified_or_failing_store_unless_allowed(clean, tmp_path):
+    p = _copy(clean, tmp_path)
+    with pytest.raises(ExportError, match="unverified.*verify-hidden"):
+        export_format(p, tmp_path / "out", "speculators")
+    _mutate(p, m_nan)
+    assert not _verify(p).ok
+    with pytest.raises(ExportError, match="FAILED"):
+        export_format(p, tmp_path / "out", "speculators")
+    allowed = load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
+                          {"output_root": str(p.output_root), "export.allow_unverified": True})
+    m = export_format(allowed, tmp_path / "out", "speculators")
+    assert "exported anyway (export.allow_unverified)" in m["selection"]["hidden_verification"]
+
+
+def test_verification_uses_only_the_head_tensors_of_the_checkpoint(clean):
+    head = load_head(resolve_model_path(clean.model.path), load_config(clean))
+    assert head.tensors == ("model.norm.weight", "model.embed_tokens.weight")  # SmolLM2 ties its head
+    assert tuple(head.lm_head.shape) == (49152, 576)
