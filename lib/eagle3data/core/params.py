@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.profiles import PROFILES
-from eagle3data.core.quant import StateCodec, Storage
+from eagle3data.core.quant import StateCodec, layout_storage_problem
 from eagle3data.prompts.formats import FORMATS
 from eagle3data.trainers.registry import TRAINERS, get_trainer
 
@@ -396,24 +396,14 @@ class HiddenParams(Strict):
 
     @model_validator(mode="after")
     def _layout_reads_its_storage(self) -> "HiddenParams":
-        c = self.codec()
-        if not c.quantized or self.layout == "shards":
-            return self
-        native = self.layout == "speculators" and c.aux == c.final and c.aux.format == "fp8_e4m3" \
-            and c.aux.scale in ("token", "token_state")
-        if not native:
-            raise ValueError(
-                f"layout {self.layout!r} holds only what its trainer reads natively: speculators reads fp8_e4m3 with "
-                "storage_scale token or token_state for every state (hs-connectors' FP8 files); SpecForge reads bf16. "
-                "Use layout 'shards' for other 8-bit storages (05 converts them for the trainer)")
+        problem = layout_storage_problem(self.layout, self.codec())
+        if problem:
+            raise ValueError(problem)
         return self
 
     def codec(self) -> StateCodec:
         """The on-disk form of 04's states per token (aux layers, then the final state(s))."""
-        states = 3 + (2 if self.final_state == "both" else 1)
-        aux = Storage(self.storage, self.storage_scale)
-        final = aux if self.final_storage == "same" else Storage(self.final_storage, self.storage_scale)
-        return StateCodec(states, aux, final, self.dtype)
+        return StateCodec.of_params(self.final_state, self.storage, self.storage_scale, self.final_storage, self.dtype)
 
     @field_validator("dataset_caps")
     @classmethod

@@ -247,6 +247,14 @@ class StateCodec:
         return {"aux": self.aux.as_dict(), "final": self.final.as_dict()}
 
     @classmethod
+    def of_params(cls, final_state: str, storage: str, scale: str, final_storage: str = "same",
+                  dtype: str = "bfloat16") -> "StateCodec":
+        """The codec of 04's params: 3 aux states + the final state(s) (`both` = 2), each group in its storage."""
+        aux = Storage(storage, scale)
+        final = aux if final_storage == "same" else Storage(final_storage, scale)
+        return cls(3 + (2 if final_state == "both" else 1), aux, final, dtype)
+
+    @classmethod
     def of_info(cls, info: dict[str, Any], states: int) -> "StateCodec":
         """The codec a store's (or file's) description names; stores written before 8-bit storage are plain."""
         spec = info.get("storage") or {}
@@ -256,3 +264,15 @@ class StateCodec:
 
 def _dtype_size(name: str) -> int:
     return int(getattr(_torch(), name).itemsize)
+
+
+def layout_storage_problem(layout: str, codec: StateCodec) -> str | None:
+    """Why a trainer's per-sample layout cannot hold this storage (it holds only what its trainer reads natively)."""
+    if not codec.quantized or layout == "shards":
+        return None
+    if layout == "speculators" and codec.aux == codec.final and codec.aux.format == "fp8_e4m3" \
+            and codec.aux.scale in ("token", "token_state"):
+        return None
+    return (f"layout {layout!r} holds only what its trainer reads natively: speculators reads fp8_e4m3 with "
+            "storage_scale token or token_state for every state (hs-connectors' FP8 files); SpecForge reads bf16. "
+            "Use layout 'shards' for other 8-bit storages (05 converts them for the trainer)")

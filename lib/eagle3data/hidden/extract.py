@@ -44,10 +44,9 @@ from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
 from eagle3data.core.reader import Sample
 from eagle3data.hidden.estimate import Estimate, check_disk, estimate_work
 from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix
-from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Validation, _torch_dtype, bytes_per_token,
+from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Validation, _torch_dtype, stored_bytes_per_token,
                                      index_rows, open_writer, scan_shards, state_names, validate_store, write_index)
 from eagle3data.core.provenance import write_provenance
-from eagle3data.core.quant import StateCodec
 from eagle3data.hidden.vllm_capture import capture_vllm, engine_layer_ids
 from eagle3data.hidden.verify import VerifyResult, verify_store
 
@@ -405,8 +404,7 @@ class ExtractResult:
 
         if self.index is None or not len(self.index):
             return pd.DataFrame(columns=["samples", "tokens", "loss_tokens", "bytes"])
-        bpt = bytes_per_token(self.stats["hidden_size"], self.stats["dtype"], len(self.stats["states"]),
-                              self.stats["layout"], StateCodec.of_info(self.stats, len(self.stats["states"])))
+        bpt = stored_bytes_per_token(self.stats)
         g = self.index.groupby("dataset").agg(samples=("sample_id", "size"), tokens=("length", "sum"),
                                               loss_tokens=("loss_tokens", "sum"))
         g["bytes"] = g["tokens"] * bpt
@@ -483,8 +481,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
             "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
             "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
-            "final_state": hp.final_state, "layout": hp.layout, "storage": hp.codec().as_dict(),
-            "mix_fingerprint": mix.manifest.get("fingerprint")}
+            "final_state": hp.final_state, "layout": hp.layout, "storage": stats["storage"], "mix_fingerprint": mix.manifest.get("fingerprint")}
     if work.todo and hp.backend == "vllm":  # a vLLM server computes the states (vllm_capture.py); same writer
         capture_vllm(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info), stats,
                      layers=layers, config=config, progress=progress)

@@ -86,6 +86,12 @@ def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", states: int = 4, 
     return states * hidden_size * _torch_dtype(dtype).itemsize + id_mask_bytes(layout)
 
 
+def stored_bytes_per_token(info: dict[str, Any]) -> int:
+    """Bytes per token of a store (or stage) by its description: hidden_size, dtype, states, layout, storage."""
+    return bytes_per_token(info["hidden_size"], info["dtype"], len(info["states"]), info["layout"],
+                           StateCodec.of_info(info, len(info["states"])))
+
+
 def split_states(states: Any, names: Sequence[str]) -> tuple[Any, dict[str, Any]]:
     """A sample's states [n, S, H] (ordered as `names`) as the aux states [n, 3, H] and {final name: [n, H]}."""
     return states[:, : len(AUX_NAMES)], {x: states[:, i] for i, x in enumerate(names) if i >= len(AUX_NAMES)}
@@ -357,8 +363,7 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
         pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(tmp))
     info = {
         **run, "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
-        "bytes_per_token": bytes_per_token(run["hidden_size"], run["dtype"], len(run["states"]), run["layout"],
-                                           StateCodec.of_info(run, len(run["states"]))),
+        "bytes_per_token": stored_bytes_per_token(run),
         "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
         **extra,
     }
