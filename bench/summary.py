@@ -83,6 +83,9 @@ SPEC: list[Figure] = [
            rounds="runs.ours[*].tokens_per_s / runs.naive[*].tokens_per_s"),
     Figure("hidden.memory", "04 hidden-state capture, peak memory (`bench_hidden.py`)", "hidden.json",
            "peak_memory_ratio_ours_over_naive", "the same padded baseline", 1.0, better="lower"),
+    Figure("hidden.storage_bytes", "04 int8/channel_rms storage, bytes per token of 5 states (`bench_hidden_storage.py`; "
+           "its errors: docs/04)", "hidden_storage.json", "storages.int8/channel_rms.ratio_to_bf16",
+           "bf16 storage of the same states", 0.52, better="lower"),
     Figure("hidden.vllm", "04 through vLLM's CPU build, embedded mix, tokens/s (`bench_hidden_vllm.py`)",
            "hidden_vllm.json", "vllm_vs_hf_capture", "`hidden.backend: hf` in the same run", None,
            load="load_average_1_5_15.0"),
