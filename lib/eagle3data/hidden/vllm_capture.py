@@ -38,7 +38,7 @@ from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
 from eagle3data.core.reader import Sample
 from eagle3data.generate.backends.engine import Engine, EngineSettings, Job, record_dict
 from eagle3data.generate.backends.retries import ResponseError
-from eagle3data.generate.backends.vllm import VLLMBackend
+from eagle3data.generate.backends.vllm import VLLMBackend, completion_choices
 from eagle3data.generate.backends.vllm_server import EngineCommand, VLLMServer, model_dir, server_command
 from eagle3data.generate.ledger import DatasetLedger, write_ledger
 from eagle3data.generate.run import _run_async
@@ -193,13 +193,7 @@ class HiddenBackend(VLLMBackend):
         self.sampling = {"max_new_tokens": 1, "temperature": 0.0}
 
     def parse(self, jobs: Sequence[Job], body: bytes, latency_s: float) -> list[dict[str, Any]]:
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise ResponseError(f"body is not JSON ({e}); {len(body)} bytes") from None
-        choices = obj.get("choices") if isinstance(obj, dict) else None
-        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            raise ResponseError("`choices` is not a list of one object")
+        obj, choices = completion_choices(body, 1)
         job, choice = jobs[0], choices[0]
         echoed = choice.get("prompt_token_ids")
         if echoed != job.prompt_ids:

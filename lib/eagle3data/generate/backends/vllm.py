@@ -44,6 +44,20 @@ def served_model(listing: dict[str, Any], params: Any, want: str | None) -> tupl
     return (hits[0]["id"], hits[0]) if len(hits) == 1 else (None, None)
 
 
+def completion_choices(body: bytes, prompts: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A `/v1/completions` reply as (its object, its `choices`: one object per prompt sent), or ResponseError."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ResponseError(f"body is not JSON ({e}); {len(body)} bytes") from None
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise ResponseError("`choices` missing or not a list of objects")
+    if len(choices) != prompts:
+        raise ResponseError(f"{len(choices)} choices for a batch of {prompts} prompts")
+    return obj, choices
+
+
 class VLLMBackend:
     """Builds `/completions` requests with token-id prompts and turns choices into exact-id records."""
 
@@ -146,15 +160,7 @@ class VLLMBackend:
         )
 
     def parse(self, jobs: Sequence[Job], body: bytes, latency_s: float) -> list[dict[str, Any]]:
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise ResponseError(f"body is not JSON ({e}); {len(body)} bytes") from None
-        choices = obj.get("choices") if isinstance(obj, dict) else None
-        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-            raise ResponseError("`choices` missing or not a list of objects")
-        if len(choices) != len(jobs):
-            raise ResponseError(f"{len(choices)} choices for a batch of {len(jobs)} prompts")
+        obj, choices = completion_choices(body, len(jobs))
         # with n=1, choice `index` is the prompt's place in the batch
         by_index = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c.get("index"), int) else 0)
         if [c.get("index", i) for i, c in enumerate(by_index)] != list(range(len(jobs))):
