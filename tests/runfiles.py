@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -94,3 +96,10 @@ def iter_run_records(run_dir: str | Path) -> Iterator[dict[str, Any]]:
     """Records of every dataset journal of a run, in file order."""
     for p in sorted((Path(run_dir) / "records").glob("*.jsonl")):
         yield from read_records(p)
+
+
+def wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
+    """Wait until `path` holds `n` lines, while the process writing it still runs (a test of a live run)."""
+    while not path.exists() or path.read_bytes().count(b"\n") < n:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)

@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
-from runfiles import assert_ledger_adds_up  # noqa: E402
+from runfiles import assert_ledger_adds_up, wait_lines  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_ENV = "EAGLE3DATA_TEST_KEY"
@@ -63,12 +63,6 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def _wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
-    while not path.exists() or path.read_bytes().count(b"\n") < n:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-
-
 def _wait_status(run_dir: Path, status: str, proc: subprocess.Popen) -> None:
     while True:
         led = run_dir / "ledger.json"
@@ -91,7 +85,7 @@ def test_signal_mid_run_stops_gracefully_and_resume_completes(tmp_path, sig):
         args = _args(tmp_path, srv, n)
         run_dir = tmp_path / "out" / "run"
         proc = _cli("run", *args, "--progress-every", "0.2")
-        _wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
+        wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
         proc.send_signal(sig)
         out, err = proc.communicate()
         answered = srv.served
@@ -122,7 +116,7 @@ def test_second_sigint_cancels_in_flight(tmp_path):
     with LoopbackServer("openai", latency=4.0) as srv:
         run_dir = tmp_path / "out" / "run"
         proc = _cli("run", *_args(tmp_path, srv, 60))
-        _wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
+        wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
         proc.send_signal(signal.SIGINT)
         _wait_status(run_dir, "stopping", proc)
         proc.send_signal(signal.SIGINT)
@@ -140,7 +134,7 @@ def test_status_and_stop_from_another_terminal(tmp_path):
     with LoopbackServer("openai", latency=0.6) as srv:
         run_dir = tmp_path / "out" / "run"
         proc = _cli("run", *_args(tmp_path, srv, 80))
-        _wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
+        wait_lines(run_dir / "records" / "d0.jsonl", 4, proc)
         st = _run("status", str(run_dir))
         assert st.returncode == 0 and "RUNNING (01_generate" in st.stdout, st
         assert "progress (01_generate" in st.stdout and "planned" in st.stdout  # the line and the ledger table

@@ -14,7 +14,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
@@ -22,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
-from runfiles import assert_ledger_adds_up  # noqa: E402
+from runfiles import assert_ledger_adds_up, wait_lines  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_ENV = "EAGLE3DATA_TEST_KEY"
@@ -77,12 +76,6 @@ def _done(p: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def _wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
-    while not path.exists() or path.read_bytes().count(b"\n") < n:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-
-
 def _completed_keys(run_dir: Path) -> list[int]:
     from eagle3data.core.records import scan_journal
 
@@ -95,7 +88,7 @@ def test_second_run_on_a_live_folder_refuses_and_the_first_completes(tmp_path):
         args = _args(tmp_path, srv, n)
         run_dir = tmp_path / "out" / "run"
         first = _cli("run", *args, "--only", "01")
-        _wait_lines(run_dir / "records" / "d0.jsonl", 1, first)  # the first is at work
+        wait_lines(run_dir / "records" / "d0.jsonl", 1, first)  # the first is at work
         second = _done(_cli("run", *args, "--only", "01"))
         assert first.poll() is None, "the first run ended before the second was refused"
         also = _done(_cli("generate", *args, "--quiet"))  # headless 01 on the same folder: the same refusal
@@ -124,7 +117,7 @@ def test_a_dead_writers_lock_is_taken_over_and_the_resumed_run_completes(tmp_pat
         args = _args(tmp_path, srv, n)
         run_dir = tmp_path / "out" / "run"
         gen = _cli("generate", *args, "--quiet")  # headless 01: one process, killed as `kill -9` does
-        _wait_lines(run_dir / "records" / "d0.jsonl", 4, gen)
+        wait_lines(run_dir / "records" / "d0.jsonl", 4, gen)
         gen.send_signal(signal.SIGKILL)
         gen.communicate()
         left = orjson.loads((run_dir / "run.lock.json").read_bytes())
