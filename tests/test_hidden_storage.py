@@ -158,3 +158,21 @@ def test_the_estimate_shows_every_storage_and_the_chosen_one(ci_run, tmp_path, m
     assert set(est.storage_bytes) == {s.name for s in ALL}
     table = est.table()["value"]
     assert table["storage (hidden.storage)"] == "int8/channel_rms"
+
+
+@pytest.mark.parametrize("scale", ["token", "token_state"])
+def test_an_fp8_speculators_store_holds_the_bytes_its_estimate_says(ci_run, model, tmp_path, scale, monkeypatch):
+    """hs-connectors' file scales `hidden_states` and `post_norm` each on its own: the estimate counts both."""
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p, res = _extract(ci_run, tmp_path, model, **{"hidden.layout": "speculators", "hidden.storage": "fp8_e4m3",
+                                                  "hidden.storage_scale": scale, "hidden.final_state": "both"})
+    assert res.merged and res.validation.ok, res.validation.table()
+    rd = HiddenReader(res.hidden_dir)
+    files = sorted((res.hidden_dir / "samples").glob("*.safetensors"))
+    assert len(files) == len(rd) and {"post_norm", "post_norm_scales"} <= set(load_file(str(files[0])))
+    tensors = sum(t.numel() * t.element_size() for f in files for t in load_file(str(f)).values())
+    tokens = int(rd.index["length"].sum())
+    assert tensors == rd.info["bytes_per_token"] * tokens

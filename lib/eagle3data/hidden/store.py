@@ -82,7 +82,9 @@ def bytes_per_token(hidden_size: int, dtype: str = "bfloat16", states: int = 4, 
     """Bytes one token takes on disk: its states (states x hidden x dtype size, or the 8-bit `codec`'s values and
     scales), plus its id and mask (per layout)."""
     if codec is not None and codec.quantized:
-        return codec.bytes_per_token(hidden_size) + id_mask_bytes(layout)
+        state = codec.bytes_per_token(hidden_size) if layout == "shards" else \
+            get_trainer(layout).state_bytes_per_token(codec, hidden_size)
+        return state + id_mask_bytes(layout)
     return states * hidden_size * _torch_dtype(dtype).itemsize + id_mask_bytes(layout)
 
 

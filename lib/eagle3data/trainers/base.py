@@ -40,6 +40,10 @@ class Trainer(abc.ABC):
 
         return (AUX_STATES + 1) * hidden_size * getattr(torch, dtype).itemsize + self.id_mask_bytes
 
+    def state_bytes_per_token(self, codec: Any, hidden_size: int) -> int:
+        """State bytes per token of its per-sample file when 04 writes it (`hidden.layout` is its name)."""
+        return codec.bytes_per_token(hidden_size)
+
     def handoff_bytes_per_token(self, layout: str, final_state: str, hidden_size: int,
                                 dtype: str = "bfloat16") -> int | None:
         """Hidden-state bytes per token the hand-off to this trainer writes on top of 04's store.

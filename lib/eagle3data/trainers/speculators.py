@@ -45,6 +45,15 @@ class Speculators(Trainer):
     def handoff_name(self, row: int) -> str:
         return f"hs_{row}.safetensors"
 
+    def state_bytes_per_token(self, codec: Any, hidden_size: int) -> int:
+        """Its file holds `hidden_states` (3 aux + pre-norm) and, when stored, `post_norm`: an FP8 file scales
+        each tensor on its own (`hidden_states_scales`, `post_norm_scales`), as `write_sample` does."""
+        if not codec.quantized:
+            return codec.bytes_per_token(hidden_size)
+        st = codec.aux
+        return sum(n * hidden_size * st.value_bytes + st.scale_bytes(n)
+                   for n in (AUX_STATES + 1, codec.states - AUX_STATES - 1) if n)
+
     def write_sample(self, path: Path, input_ids: Any, loss_mask: Any, aux: Any, finals: dict[str, Any],
                      meta: str | None = None, *, tmp_suffix: str = ".tmp", storage: Any = None) -> int:
         import torch
