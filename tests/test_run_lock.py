@@ -228,3 +228,33 @@ def test_atomic_write_gives_the_umask_mode(tmp_path):
         tmp.write_bytes(b"half")
         raise RuntimeError("writer failed")
     assert not (tmp_path / "c.bin").exists() and not (tmp_path / "c.bin.tmp").exists()
+
+
+@pytest.mark.parametrize("command", [["export", "{run}", "--format", "specforge", "--out", "{out}"],
+                                     ["verify-hidden", "{run}", "--out", "{out}"]])
+def test_export_and_verify_hidden_refuse_a_folder_a_stage_is_writing(ci_run, tmp_path, command):
+    """`export` reads the store a live 04 writes, `verify-hidden` writes beside it: both wait for the folder."""
+    run_dir, out = tmp_path / "ci", tmp_path / "out"
+    shutil.copytree(ci_run.run_dir, run_dir)
+    args = [a.format(run=run_dir, out=out) for a in command]
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), str(tmp_path / "go")], cwd=REPO, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        r = _done(_cli(*args))
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert f"04_extract_hidden by pid {p.pid}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert not out.exists()
+    finally:
+        (tmp_path / "go").touch()
+        p.wait()
+    after = _done(_cli(*args))  # released: the command runs (export: ids only; verify: no store to verify)
+    assert "is in use" not in after.stderr, after.stderr
+    assert out.exists() if command[0] == "export" else "no index" in after.stderr, (after.stdout, after.stderr)
+    assert not (run_dir / "run.lock.json").exists()  # and it let the folder go
+
+
+def test_export_of_a_missing_run_folder_is_one_line_and_creates_nothing(tmp_path):
+    r = _done(_cli("export", str(tmp_path / "nope"), "--format", "specforge", "--out", str(tmp_path / "o")))
+    assert r.returncode != 0 and "no such run folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "nope").exists()

@@ -317,10 +317,18 @@ def print_engine_command(params: Any, stage: str) -> int:
     return 0
 
 
+def _hold_existing(run: str, stage: str) -> Any:
+    """Hold an existing run folder for a command that writes into it (a typo'd path is an error, not a new folder)."""
+    if not Path(run).is_dir():
+        raise UserError(f"{run}: no such run folder")
+    return hold_run(Path(run), stage)
+
+
 def cmd_verify_hidden(args: argparse.Namespace) -> int:
     from eagle3data.hidden.verify_run import verify_cli  # torch and the head only for this command
 
-    return verify_cli(args.run, recompute=args.recompute, positions=args.positions, out=args.out)
+    with _hold_existing(args.run, "04_verify_hidden"):  # it writes hidden/verify.jsonl and the index's record
+        return verify_cli(args.run, recompute=args.recompute, positions=args.positions, out=args.out)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -333,7 +341,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3data.export.run import export_cli  # the stage only for this command
 
-    return export_cli(args.run, fmt=args.format, out=args.out)
+    with _hold_existing(args.run, "05_export"):  # no export of a store that a live 04 is still writing
+        return export_cli(args.run, fmt=args.format, out=args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
