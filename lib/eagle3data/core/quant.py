@@ -9,7 +9,10 @@ scheme over a block of states `[tokens, S, hidden]`:
   token and state. Outlier channels stop setting every other channel's step;
 - `channel_rms`: the same with each channel's RMS over the block instead of its absmax, so a
   channel whose absmax one token sets (an attention sink's massive activation) does not give
-  every other token a coarse step in it: that token gets the coarse step instead.
+  every other token a coarse step in it: that token gets the coarse step instead. The RMS is
+  taken over rows first divided by their own RMS, so the few tokens whose whole row is large
+  (the sink again, in the pre-norm and mid-layer states) do not set the channel profile either:
+  on the embedded run this took the pre-norm state's KL from 6.2e-4 to 4.9e-4 (docs/04).
 Dequantizing is `values * scales (* channels)`, in fp32, cast to the dtype asked for.
 `StateCodec` is how one block of states `[tokens, S, hidden]` becomes named tensors on disk and back:
 the aux layers and the final state(s) share one tensor `hidden_states` when they share a storage,
@@ -98,15 +101,19 @@ def _torch() -> Any:
 
 
 def channel_stats(states: Any, scale: str = "channel_token") -> Any:
-    """Per state and channel absmax (`channel_token`) or RMS (`channel_rms`) of a block `[tokens, S, hidden]`,
-    as fp32 `[S, hidden]`.
+    """Per state and channel absmax (`channel_token`) or RMS of RMS-normalized rows (`channel_rms`) of a block
+    `[tokens, S, hidden]`, as fp32 `[S, hidden]`.
 
     Non-finite values are left out of it: a NaN stays in its own token (and fails that sample's
     validation) instead of spreading through the statistics to every sample of the block."""
     torch = _torch()
     a = states.float().abs()
     a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
-    x = a.amax(dim=0) if scale == "channel_token" else a.square().mean(dim=0).sqrt()
+    if scale == "channel_token":
+        x = a.amax(dim=0)
+    else:  # each row over its own RMS first: the profile of a typical token, not of the largest rows
+        a = a / a.square().mean(dim=-1, keepdim=True).sqrt().clamp(min=1e-30)
+        x = a.square().mean(dim=0).sqrt()
     top = x.amax(dim=1, keepdim=True).clamp(min=1e-30)
     return x.clamp(min=top * CHANNEL_FLOOR)
 
