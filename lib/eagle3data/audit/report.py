@@ -71,6 +71,8 @@ def verification_html(summary: dict[str, Any] | None) -> str:
     """The report's section on 04's stored states: verify-hidden's verdict and its per-check table with bounds."""
     import html
 
+    from eagle3data.hidden.verify_checks import upper95_text
+
     if summary is None:
         return ""
     s = summary
@@ -78,7 +80,7 @@ def verification_html(summary: dict[str, Any] | None) -> str:
              else f"{s['failed_samples']} of {s['samples']} stored samples failed verification")
     rows = []
     for name, c in s["checks"].items():
-        bound = "" if c.get("upper95") is None else f"{c['upper95']:.2%}"
+        bound = upper95_text(c)
         style = ' style="color:#cf222e;font-weight:bold"' if c["failed"] else ""
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{c['applicable']}</td><td{style}>{c['failed']}</td>"
                     f"<td>{bound}</td><td>{html.escape(c['what'])}</td></tr>")
