@@ -226,7 +226,7 @@ class HeadBatch:
         self.head, self.size = head, size
         self.pending: list[tuple[Any, Any, Any]] = []
         self.queued = 0
-        self.got: dict[Any, list[Any]] = {}
+        self.got: dict[Any, dict[str, Any]] = {}
         self.positions = 0
         self.seconds = 0.0  # in the GEMMs and the log-softmax
 
@@ -249,32 +249,32 @@ class HeadBatch:
         best = logits.argmax(1)
         tl = logits.gather(1, tgt[:, None])[:, 0]
         lp = torch.log_softmax(logits, dim=-1).gather(1, tgt[:, None])[:, 0]  # the fused kernel; logsumexp is slower
-        hit = best == tgt
+        miss = best != tgt
         rank = torch.zeros_like(tgt)
-        if not bool(hit.all()):
-            rank[~hit] = (logits[~hit] > tl[~hit, None]).sum(1)  # ties with the target count as a hit
-            hit = rank == 0
+        if bool(miss.any()):
+            rank[miss] = (logits[miss] > tl[miss, None]).sum(1)  # a tie with the target's logit counts as a hit
         at = 0
-        for tag, _, t in self.pending:
+        for tag, _, t in self.pending:  # one entry per (sample, output|prompt): its figures, final once flushed
             k = len(t)
-            self.got.setdefault(tag, []).append((rank[at:at + k], lp[at:at + k]))
+            self.got[tag] = _position_figures(rank[at:at + k], lp[at:at + k])
             at += k
         self.positions += at
         self.pending, self.queued = [], 0
         self.seconds += time.perf_counter() - t0
 
     def figures(self, tag: Any, prefix: str) -> dict[str, Any]:
-        """The head's figures of one tag: positions, top-1 share and misses, log-prob median and mean, rank median."""
-        import torch
-
-        parts = self.got.get(tag)
-        if not parts:
+        """The head's figures of one tag (and forgets them): positions, top-1 share and misses, log-prob median
+        and mean, rank median; `{prefix}_positions` 0 when it had none."""
+        got = self.got.pop(tag, None)
+        if got is None:
             return {f"{prefix}_positions": 0}
-        rank = torch.cat([r for r, _ in parts])
-        lp = torch.cat([v for _, v in parts])
-        return {f"{prefix}_positions": len(rank), f"{prefix}_top1": round(float((rank == 0).float().mean()), 4),
-                f"{prefix}_misses": int((rank > 0).sum()), f"{prefix}_logprob_median": round(float(lp.median()), 4),
-                f"{prefix}_logprob_mean": round(float(lp.mean()), 4), f"{prefix}_rank_median": int(rank.median())}
+        return {f"{prefix}_{k}": v for k, v in got.items()}
+
+
+def _position_figures(rank: Any, lp: Any) -> dict[str, Any]:
+    return {"positions": len(rank), "top1": round(float((rank == 0).float().mean()), 4),
+            "misses": int((rank > 0).sum()), "logprob_median": round(float(lp.median()), 4),
+            "logprob_mean": round(float(lp.mean()), 4), "rank_median": int(rank.median())}
 
 
 def sample_figures(key: str, hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head | None,
