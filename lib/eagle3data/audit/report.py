@@ -86,7 +86,10 @@ def verification_html(summary: dict[str, Any] | None) -> str:
                     f"<td>{bound}</td><td>{html.escape(c['what'])}</td></tr>")
     table = ('<table class="verify-table" border="0"><thead><tr><th>check</th><th>applicable</th><th>failed</th>'
              "<th>upper95</th><th>what it proves</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
-    note = (f"Head at {s['positions']} output and prompt positions per sample; {s['recomputed']} sample(s) "
+    head = s.get("head") or {}
+    at = (f"{head['out_mean']:g} output + {head['prompt_mean']:g} prompt positions per sample (at most "
+          f"{s['positions']})" if head else f"{s['positions']} output and prompt positions per sample")
+    note = (f"Head at {at}; {s['recomputed']} sample(s) "
             f"recomputed through the target; norm profile {s['norm_profile']}; states {', '.join(s['states'])} "
             f"({s['dtype']}, layout {s['layout']}). upper95: 95% upper bound on the failure rate (rule of three "
             "at zero failures).")
