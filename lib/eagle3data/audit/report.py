@@ -12,6 +12,7 @@ from typing import Any
 from eagle3data.audit.checks import CHECK_NAMES, iter_checks
 from eagle3data.core.params import params_for_display, repo_root
 from eagle3data.core.provenance import RunParamsError, params_of_run
+from eagle3data.core.stats import upper95_text
 
 # Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
 # "figures recorded for tests" cells carry it) but are left out of every HTML rendering.
@@ -70,8 +71,6 @@ def _verify_summary(run_dir: Path) -> dict[str, Any] | None:
 def verification_html(summary: dict[str, Any] | None) -> str:
     """The report's section on 04's stored states: verify-hidden's verdict and its per-check table with bounds."""
     import html
-
-    from eagle3data.hidden.verify_checks import upper95_text
 
     if summary is None:
         return ""

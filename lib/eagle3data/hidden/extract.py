@@ -49,7 +49,7 @@ from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Valida
 from eagle3data.core.provenance import write_provenance
 from eagle3data.hidden.vllm_capture import capture_vllm, engine_layer_ids
 from eagle3data.hidden.verify import VerifyResult, verify_store
-from eagle3data.hidden.merge import IncompleteError, merge_index  # noqa: F401 (extract.merge_index, as before)
+from eagle3data.hidden.merge import IncompleteError, merge_store
 
 STAGE = "04_extract_hidden"
 
@@ -557,3 +557,11 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions,
                                            recompute=hp.verify_recompute if hp.backend == "hf" else 0)
     return result
+
+
+def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None, allow_partial: bool = False) -> Any:
+    """The one index of the run's store from every worker's finished shards (`merge.merge_store` with the model's
+    layer plan and hidden size, from `config` or the checkpoint's); IncompleteError while samples are missing."""
+    config = config if config is not None else load_config(params)
+    return merge_store(params, layer_plan(params, config), int(text_config(config).hidden_size), mix=mix,
+                       allow_partial=allow_partial)

@@ -26,12 +26,12 @@ import orjson
 from eagle3data.core.models import resolve_model_path
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import SampleKey, read_run
-from eagle3data.core.stats import upper95
+from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
 from eagle3data.hidden.verify_checks import (CHECKS, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError, compare_states,
                                              head_counts, judge, load_head, profile_stats, recompute_failed,
-                                             sample_figures, upper95_text)
+                                             sample_figures)
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"

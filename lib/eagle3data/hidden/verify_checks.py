@@ -67,13 +67,6 @@ CHECKS = {
 }
 
 
-def upper95_text(check: dict[str, Any]) -> str:
-    """A check's 95% bound as shown: a percentage, or "" where it has none (nothing applicable; the one
-    store-level coverage check, whose rate over one store says nothing)."""
-    v = check.get("upper95")
-    return "" if v is None or v != v else f"{v:.2%}"
-
-
 class VerifyError(UserInputError):
     """`verify-hidden` cannot run on this input (no store, no checkpoint tensors); one line, exit 2."""
 
