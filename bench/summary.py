@@ -89,6 +89,17 @@ SPEC: list[Figure] = [
     Figure("hidden.vllm", "04 through vLLM's CPU build, embedded mix, tokens/s (`bench_hidden_vllm.py`)",
            "hidden_vllm.json", "vllm_vs_hf_capture", "`hidden.backend: hf` in the same run", None,
            load="load_average_1_5_15.0"),
+    Figure("verify.speed", "04 verify-hidden without recompute, head on CPU, default positions (`bench_verify.py`)",
+           "verify.json", "speed_vs_plain_read", "plain `HiddenReader` read of the same store, states to float32",
+           0.5, rounds="speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.recompute", "04 verify-hidden --recompute all: cost per recomputed sample (`bench_verify.py`)",
+           "verify.json", "recompute_over_verify_per_sample", "verify-hidden without recompute, the whole store",
+           None, better="lower", value="recompute_s_per_sample", value_unit="s per sample",
+           load="load_average_at_start.0"),
+    Figure("verify.kimi_head", "04 verify-hidden: one head position of a Kimi-sized head on CPU (`bench_verify.py`)",
+           "verify.json", "kimi_over_this_head", "one position of the store's own (SmolLM2) head", None,
+           better="lower", value="kimi_head_ms_per_position_cpu", value_unit="ms per position",
+           load="load_average_at_start.0"),
 ]
 
 

@@ -25,7 +25,7 @@ from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store import HiddenReader
 from eagle3data.hidden.verify_checks import load_head
 from eagle3data.hidden.verify_run import BACKENDS, parse_recompute
-from eagle3data.hidden.verify import verify_store
+from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
 from eagle3data.core.models import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ class _Memo:
         self.capture.close()
 
 
-def _verify(p, recompute=0, positions=0):
+def _verify(p, recompute=0, positions=DEFAULT_POSITIONS):
     """verify-hidden on a run with the HF recompute backend (one model for the whole module)."""
     cfg = load_config(p)
     info = HiddenReader(hidden_dir(p)).info
@@ -228,7 +228,7 @@ def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
     change, keys, check = MUTATIONS[kind]
     p = _copy(clean, tmp_path)
     _mutate(p, change)
-    res = _verify(p, recompute="all", positions=32)
+    res = _verify(p, recompute="all")  # the default head positions (floors and budget, at most 64)
     failed = _failed(res)
     assert set(failed) == keys, failed
     for k in keys:
@@ -285,3 +285,70 @@ def test_verification_uses_only_the_head_tensors_of_the_checkpoint(clean):
     head = load_head(resolve_model_path(clean.model.path), load_config(clean))
     assert head.tensors == ("model.norm.weight", "model.embed_tokens.weight")  # SmolLM2 ties its head
     assert tuple(head.lm_head.shape) == (49152, 576)
+
+
+def test_the_fused_figures_equal_the_element_wise_ones():
+    """stat_figures decides flat rows, duplicate layers and NaN from two row sums, then checks only the suspects:
+    the counts equal the element-wise ones on a tensor with each planted."""
+    from eagle3data.hidden.verify_checks import stat_figures
+
+    g = torch.Generator().manual_seed(0)
+    hs = (torch.randn(40, 5, 96, generator=g) * 3).to(torch.bfloat16)
+    hs[7, 1] = 0
+    hs[9, 4] = 2.5  # constant, not zero
+    hs[11, 0, :95] = 1.0  # all but one equal: not flat
+    hs[:, 3] = hs[:, 2]
+    hs[5, 0, 3] = float("nan")
+    hs[6, 2, 0] = float("inf")  # layers 2 and 3 now differ in one element
+    names = ("aux_low", "aux_mid", "aux_high", "pre_norm", "post_norm")
+    fig, _ = stat_figures(hs, names)
+    x = torch.nan_to_num(hs.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    assert fig["nonfinite"] == int((~torch.isfinite(hs.float())).sum()) == 2
+    assert fig["flat_rows"] == int(((x.amax(-1) - x.amin(-1)) == 0).sum()) == 2
+    assert fig["duplicate_layers"] == []
+    hs[6, 2, 0] = hs[6, 3, 0]
+    assert stat_figures(hs, names)[0]["duplicate_layers"] == [["aux_high", "pre_norm"]]
+
+
+def test_head_positions_have_floors_a_budget_and_a_cap():
+    from eagle3data.hidden.verify_checks import (HEAD_FLOPS_PER_BYTE, OUT_FLOOR, PROMPT_FLOOR, binom_tail,
+                                                 head_counts, top1_limit, TOP1_ALPHA, TOP1_CLEAN_MISS)
+
+    per = 2.0 * 49152 * 576
+    assert head_counts(1000 * 5765, per, 64) == (OUT_FLOOR, PROMPT_FLOOR)  # a short sample: the floors
+    long_bytes = int(40 * per / HEAD_FLOPS_PER_BYTE)
+    assert head_counts(long_bytes, per, 64) == (40, PROMPT_FLOOR)  # long: the budget buys more
+    assert head_counts(10 ** 12, per, 64) == (64, 64) and head_counts(10 ** 12, per, 8) == (8, 8)  # the cap
+    assert head_counts(5765, per, 0) == (0, 0)  # 0: every position
+    for k in (8, 16, 64):  # the top-1 limit: a clean sample reaches it with probability <= alpha, one fewer does not
+        m = top1_limit(k)
+        assert binom_tail(k, TOP1_CLEAN_MISS, m) <= TOP1_ALPHA < binom_tail(k, TOP1_CLEAN_MISS, m - 1)
+
+
+def test_merge_only_keeps_the_verification_of_the_same_store_and_drops_it_otherwise(clean, tmp_path, capsys):
+    from eagle3data.hidden.extract import merge_index
+
+    p = _copy(clean, tmp_path)
+    res = _verify(p)
+    assert res.ok
+    info = lambda: orjson.loads((hidden_dir(p) / "index.json").read_bytes())  # noqa: E731
+    ver = info()["verification"]
+    merge_index(p)  # what `extract --merge-only` does
+    assert info()["verification"] == ver
+    export_format(p, tmp_path / "out", "speculators")  # 05 still takes it
+    _mutate(p, m_zero)  # a shard rewritten after the verification
+    merge_index(p)
+    assert "verification" not in info()
+    with pytest.raises(ExportError, match="unverified"):
+        export_format(p, tmp_path / "out2", "speculators")
+
+
+def test_the_summary_table_and_the_report_show_no_nan(clean, tmp_path):
+    from eagle3data.audit.report import verification_html
+
+    p = _copy(clean, tmp_path)
+    res = _verify(p, positions=8)
+    t = res.table()
+    assert t.loc["coverage", "upper95"] == "" and t.loc["finite", "upper95"] == f"{3 / 8:.2%}"
+    assert not [v for v in t["upper95"] if "nan" in v.lower()]
+    assert "nan%" not in verification_html(res.summary).lower()

@@ -271,12 +271,16 @@ def cmd_extract(args: argparse.Namespace) -> int:
 def _extract(args: argparse.Namespace, params: Any) -> int:
     # the stage (torch, the model) only for this command
     from eagle3data.hidden.extract import dist_env, merge_index, run_extract
-    from eagle3data.hidden.store import validate_store
+    from eagle3data.hidden.mix import hidden_dir
+    from eagle3data.hidden.store import HiddenReader, validate_store
 
     if args.merge_only:
         df = merge_index(params)
         v = validate_store(params)
-        print(f"index: {len(df)} samples, {int(df['length'].sum())} tokens; validation problems: {len(v.problems)}")
+        ver = HiddenReader(hidden_dir(params)).info.get("verification")  # kept when the store is the one verified
+        said = ("kept (" + ("passed" if ver["ok"] else "FAILED") + ")") if ver else "none (run verify-hidden)"
+        print(f"index: {len(df)} samples, {int(df['length'].sum())} tokens; validation problems: {len(v.problems)}; "
+              f"verification: {said}")
         return 0 if v.ok else 1
     res = run_extract(params, progress=dist_env()[0] == 0)
     print(orjson.dumps({"rank": res.rank, **res.stats}).decode())
@@ -393,8 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("run", help="run folder, e.g. outputs/embedded")
     v.add_argument("--recompute", metavar="N|all", help="samples per shard run through the target again and compared "
                                                         "element-wise (default 2; 0 none; all)")
-    v.add_argument("--positions", type=int, metavar="K", help="output and prompt positions per sample given to the "
-                                                               "target's head (default 64; 0 every position)")
+    v.add_argument("--positions", type=int, metavar="K", help="the most output and prompt positions per sample given "
+                                                               "to the target's head (default 64; below it floors "
+                                                               "and a per-byte budget choose; 0 every position)")
     v.add_argument("--out", help="write the per-sample lines here instead of hidden/verify.jsonl")
     v.set_defaults(func=cmd_verify_hidden)
 

@@ -12,6 +12,7 @@ from typing import Any
 from eagle3data.audit.checks import CHECK_NAMES, iter_checks
 from eagle3data.core.params import params_for_display, repo_root
 from eagle3data.core.provenance import RunParamsError, params_of_run
+from eagle3data.core.stats import upper95_text
 
 # Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
 # "figures recorded for tests" cells carry it) but are left out of every HTML rendering.
@@ -78,13 +79,16 @@ def verification_html(summary: dict[str, Any] | None) -> str:
              else f"{s['failed_samples']} of {s['samples']} stored samples failed verification")
     rows = []
     for name, c in s["checks"].items():
-        bound = "" if c.get("upper95") is None else f"{c['upper95']:.2%}"
+        bound = upper95_text(c)
         style = ' style="color:#cf222e;font-weight:bold"' if c["failed"] else ""
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{c['applicable']}</td><td{style}>{c['failed']}</td>"
                     f"<td>{bound}</td><td>{html.escape(c['what'])}</td></tr>")
     table = ('<table class="verify-table" border="0"><thead><tr><th>check</th><th>applicable</th><th>failed</th>'
              "<th>upper95</th><th>what it proves</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
-    note = (f"Head at {s['positions']} output and prompt positions per sample; {s['recomputed']} sample(s) "
+    head = s.get("head") or {}
+    at = (f"{head['out_mean']:g} output + {head['prompt_mean']:g} prompt positions per sample (at most "
+          f"{s['positions']})" if head else f"{s['positions']} output and prompt positions per sample")
+    note = (f"Head at {at}; {s['recomputed']} sample(s) "
             f"recomputed through the target; norm profile {s['norm_profile']}; states {', '.join(s['states'])} "
             f"({s['dtype']}, layout {s['layout']}). upper95: 95% upper bound on the failure rate (rule of three "
             "at zero failures).")

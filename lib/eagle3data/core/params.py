@@ -341,8 +341,9 @@ class HiddenParams(Strict):
                           "docs/04 Verify) at the end of 04; 05 refuses an unverified store.")
     verify_recompute: int = Field(2, ge=0, description="Samples per shard 04's own verification runs through the "
                                                        "target again and compares element-wise (0 = none).")
-    verify_positions: int = Field(64, ge=0, description="Output and prompt positions per sample given to the "
-                                                        "target's head by 04's verification (0 = every position).")
+    verify_positions: int = Field(64, ge=0, description="The most output and prompt positions per sample given to "
+                                                        "the target's head by 04's verification (below it, floors "
+                                                        "and a budget per byte choose; 0 = every position).")
     final_state: Literal["both", "pre_norm", "post_norm"] = Field(
         "both",
         description="Which final state 04 stores after the three aux layers: the pre-norm output of the last decoder "

@@ -4,6 +4,7 @@ count offset, in one place."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 Z95 = 1.959963984540054
 
@@ -26,6 +27,13 @@ def upper95(failed: int, n: int) -> float:
     if failed == 0:
         return min(1.0, 3.0 / n)
     return wilson_interval(failed, n)[1]
+
+
+def upper95_text(check: dict[str, Any]) -> str:
+    """A check's 95% bound (`upper95` of a summary's check) as shown: a percentage, or "" where it has none
+    (nothing applicable; verify-hidden's store-level coverage check, whose rate over one store says nothing)."""
+    v = check.get("upper95")
+    return "" if v is None or v != v else f"{v:.2%}"
 
 
 def mode_share(values: list[int]) -> tuple[int | None, float]:

@@ -45,10 +45,11 @@ from eagle3data.core.reader import Sample
 from eagle3data.hidden.estimate import Estimate, check_disk, estimate_work
 from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix
 from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Validation, _torch_dtype, stored_bytes_per_token,
-                                     index_rows, open_writer, scan_shards, state_names, validate_store, write_index)
+                                     open_writer, scan_shards, state_names, validate_store)
 from eagle3data.core.provenance import write_provenance
 from eagle3data.hidden.vllm_capture import capture_vllm, engine_layer_ids
 from eagle3data.hidden.verify import VerifyResult, verify_store
+from eagle3data.hidden.merge import IncompleteError, merge_store
 
 STAGE = "04_extract_hidden"
 
@@ -558,43 +559,9 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     return result
 
 
-# ---------------------------------------------------------------------------- merge and index
-
-
-class IncompleteError(HiddenError):
-    """Some samples of the mix are not stored yet (other workers still running, or a stopped run)."""
-
-    def __init__(self, msg: str, missing: int):
-        super().__init__(msg)
-        self.missing = missing
-
-
-def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None,
-                allow_partial: bool = False) -> Any:
-    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards (`store.write_index`).
-
-    Each mix sample appears once (a sample found in two shards, e.g. after the world size
-    changed mid-run, is indexed from the first shard by name and counted as a duplicate);
-    shard samples no longer in the mix are left out and counted as stale. Raises
-    IncompleteError while samples are missing, unless `allow_partial`.
-    """
-    hdir = hidden_dir(params)
-    mix = mix or read_mix(hdir)
+def merge_index(params: RunParams, *, mix: Mix | None = None, config: Any = None, allow_partial: bool = False) -> Any:
+    """The one index of the run's store from every worker's finished shards (`merge.merge_store` with the model's
+    layer plan and hidden size, from `config` or the checkpoint's); IncompleteError while samples are missing."""
     config = config if config is not None else load_config(params)
-    layers = layer_plan(params, config)
-    too_long = [d for d in mix.dropped if d["reason"] == "too_long"]  # reported here too; never in the mix
-    scan = scan_shards(hdir)
-    states = state_names(params.hidden.final_state)
-    scan.check_kind(params.hidden.layout, states, hdir, params.hidden.codec())
-    rows, missing, duplicates, stale = index_rows(scan, mix.samples)
-    if missing and not allow_partial:
-        raise IncompleteError(f"{len(missing)} of {len(mix.samples)} mix samples are not stored yet "
-                              f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
-    run = {"model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
-           "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
-           "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
-           "hidden_size": int(text_config(config).hidden_size), "dtype": params.hidden.dtype,
-           "storage": params.hidden.codec().as_dict()}
-    return write_index(hdir, rows, scan, run, {
-        "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
-        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint")})
+    return merge_store(params, layer_plan(params, config), int(text_config(config).hidden_size), mix=mix,
+                       allow_partial=allow_partial)

@@ -26,17 +26,19 @@ import orjson
 from eagle3data.core.models import resolve_model_path
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import SampleKey, read_run
-from eagle3data.core.stats import upper95
+from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
-from eagle3data.hidden.store import INFO_FILE, HiddenReader, _torch_dtype, sample_problems
-from eagle3data.hidden.verify_checks import (CHECKS, MIN_PROFILE_SAMPLES, VerifyError, compare_states, judge,
-                                             load_head, profile_stats, recompute_failed, sample_figures)
+from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
+from eagle3data.hidden.verify_checks import (CHECKS, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError, compare_states,
+                                             head_counts, judge, load_head, profile_stats, recompute_failed,
+                                             sample_figures)
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
 RECOMPUTE_GROUP = 256  # per-sample layouts: "a shard" for the default recompute is this many samples
 DEFAULT_RECOMPUTE = 2  # samples recomputed per shard by default
-DEFAULT_POSITIONS = 64  # head positions per sample (output and prompt each) by default
+DEFAULT_POSITIONS = 64  # the most head positions per sample (output and prompt each) by default; floors and budget
+# in verify_checks (OUT_FLOOR, PROMPT_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below that
 
 # A recompute backend: what `extract.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
 # store's order and dtype, and `close()`. `verify_store` takes a factory of one, called only when a sample is picked.
@@ -78,10 +80,9 @@ class VerifyResult:
         """Per check: what it proves, applicable samples, failed, and the 95% upper bound on its failure rate."""
         import pandas as pd
 
-        df = pd.DataFrame.from_dict(self.summary["checks"], orient="index")
-        df.index.name = "check"
-        df["upper95"] = [("" if v is None else f"{v:.2%}") for v in df["upper95"]]
-        return df[["applicable", "failed", "upper95", "what"]]
+        rows = [{"check": name, "applicable": c["applicable"], "failed": c["failed"], "upper95": upper95_text(c),
+                 "what": c["what"]} for name, c in self.summary["checks"].items()]
+        return pd.DataFrame(rows).set_index("check")
 
     def failed_table(self):
         """The samples that failed something, with the check names."""
@@ -96,7 +97,8 @@ class VerifyResult:
         failed = {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}
         return (f"verify-hidden: {s['samples']} samples, {s['failed_samples']} failed"
                 + (f" ({', '.join(f'{k} {v}' for k, v in failed.items())})" if failed else "")
-                + f"; recomputed {s['recomputed']}; head at {s['positions']} positions per sample"
+                + f"; recomputed {s['recomputed']}; head at {s['head']['out_mean']:g} output + "
+                  f"{s['head']['prompt_mean']:g} prompt positions per sample (at most {s['positions']})"
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
@@ -117,7 +119,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
 
     `config`: the target's config (norm eps, tied head); `backend`: makes the recompute backend (see
     `Backend`), needed when `recompute` (samples per shard run through the target again; `all`; 0
-    for none) picks any; `positions`: output and prompt positions per sample given to the head (0 = all).
+    for none) picks any; `positions`: the most output and prompt positions per sample given to the head (each;
+    0 = all); below it `verify_checks.head_counts` picks the count (floors for the checks' power, a budget per byte).
     """
     t0 = time.perf_counter()
     hdir = hidden_dir(params)
@@ -140,25 +143,38 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     rows: list[dict[str, Any]] = []
     store_problems: list[dict[str, Any]] = []
     recompute_s = 0.0
+    setup_s = time.perf_counter() - t0  # the records, the mix, the head's tensors: once per pass
+    batch = HeadBatch(head)
+    token_bytes = stored_bytes_per_token(info)
+    per_position = 2.0 * float(head.lm_head.shape[0]) * float(head.lm_head.shape[1])  # FLOPs of one head position
+    shape = (len(names), info["hidden_size"])
     try:
-        for smp in reader:
-            key = str(SampleKey.of(smp))
+        for i, smp in enumerate(reader):
+            skey = SampleKey.of(smp)
+            key = str(skey)
             hs = smp["hidden_states"]
-            row: dict[str, Any] = {"key": key, "position": int(smp["position"]), "length": int(smp["length"]),
-                                   "greedy": key in greedy}
-            probs = sample_problems(smp, sources.get(SampleKey.of(smp)), (len(names), info["hidden_size"]), dtype)
+            n = int(smp["length"])
+            row: dict[str, Any] = {"key": key, "position": int(smp["position"]), "length": n, "greedy": key in greedy}
+            probs = sample_problems(smp, sources.get(skey), shape, dtype, finite=False)
             row["store"] = [c for c, _ in probs]
             if "shape" not in row["store"]:
-                row.update(sample_figures(key, hs, smp["input_ids"], smp["loss_mask"], names, head, positions))
+                k = head_counts(n * token_bytes, per_position, positions)
+                row.update(sample_figures(key, hs, smp["input_ids"], smp["loss_mask"], names, head, k, batch, i))
+                row["_tag"] = i
                 if key in picks:
                     t1 = time.perf_counter()
                     ref = redo.run(smp["input_ids"].long()[None])[0].cpu()
                     row["recompute"] = compare_states(hs, ref, names, info["dtype"])
                     recompute_s += time.perf_counter() - t1
             rows.append(row)
+        batch.flush()
     finally:
         if redo is not None:
             redo.close()
+    for r in rows:
+        if "_tag" in r:
+            tag = r.pop("_tag")
+            r.update(batch.figures((tag, "out"), "out") | batch.figures((tag, "prompt"), "prompt"))
     if len(rows) != len(mix.samples) or reader.keys() != [str(s.key) for s in mix.samples]:
         store_problems.append({"key": "*", "check": "coverage",
                                "detail": f"{len(rows)} stored samples, {len(mix.samples)} in the mix: the index "
@@ -179,6 +195,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     summary = _summary(rows, store_problems, info, picks, positions, with_profile, stats)
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["recompute_seconds"] = round(recompute_s, 3)
+    summary["setup_seconds"] = round(setup_s, 3)
+    summary["head_seconds"] = round(batch.seconds, 3)
     lines = Path(out) if out else hdir / VERIFY_FILE
     summary["lines"] = str(lines)
     _write(lines, b"".join(orjson.dumps(_line(r)) + b"\n" for r in rows))
@@ -213,10 +231,19 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
     return {"ok": failed_samples == 0 and not store_problems, "samples": n, "failed_samples": failed_samples,
             "tokens": sum(r["length"] for r in rows), "states": list(info.get("states") or []),
             "final_state": info.get("final_state"), "layout": info.get("layout", "shards"), "dtype": info["dtype"],
-            "positions": positions or "all", "recomputed": len(picks & {r["key"] for r in rows}),
+            "positions": positions or "all", "head": _head_use(rows), "recomputed": len(picks & {r["key"] for r in rows}),
             "norm_profile": ("judged" if with_profile else f"not judged: fewer than {MIN_PROFILE_SAMPLES} samples"),
             "run_centre": {k: {nm: [round(m, 4), round(s, 4)] for nm, (m, s) in v.items()} for k, v in stats.items()},
             "checks": checks, "store_problems": store_problems, "verified_at": time.time()}
+
+
+def _head_use(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many head positions the pass used: in all, and per sample (output, prompt)."""
+    out = [r.get("out_positions", 0) for r in rows if "log_rms" in r]
+    prompt = [r.get("prompt_positions", 0) for r in rows if "log_rms" in r]
+    k = max(len(out), 1)
+    return {"positions": sum(out) + sum(prompt), "out_mean": round(sum(out) / k, 1),
+            "prompt_mean": round(sum(prompt) / k, 1)}
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -227,9 +254,46 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def _record_in_index(hdir: Path, summary: dict[str, Any]) -> None:
-    """04's manifest (`index.json`) records the verification: ok, counts, when; 05 reads it."""
+    """04's manifest (`index.json`) records the verification: ok, counts, when, and the store's fingerprint; 05
+    reads it, and a later merge of the same store keeps it (`keep_verification`)."""
     info = orjson.loads((hdir / INFO_FILE).read_bytes())
     info["verification"] = {k: summary[k] for k in ("ok", "samples", "failed_samples", "recomputed", "positions",
                                                      "verified_at")}
     info["verification"]["failed_checks"] = {k: v["failed"] for k, v in summary["checks"].items() if v["failed"]}
+    info["verification"]["fingerprint"] = store_fingerprint(hdir, info)
     _write(hdir / INFO_FILE, orjson.dumps(info, option=orjson.OPT_INDENT_2))
+
+
+FINGERPRINT_INFO = ("model", "states", "final_state", "layout", "hidden_size", "dtype", "storage", "hf_indices",
+                    "samples", "tokens", "shards")
+FINGERPRINT_INDEX = ("key", "position", "shard", "offset", "length", "loss_tokens")
+
+
+def store_fingerprint(hdir: Path, info: dict[str, Any]) -> str:
+    """What the verification saw: the index rows (key, position, file, offset, length), each file's size and
+    modification time, and the store's kind (states, dtype, layout, ...), as one digest. A rewritten or touched
+    file, another row, or another kind of store gives another digest."""
+    import pyarrow.parquet as pq
+
+    idx = pq.read_table(hdir / INDEX_FILE, columns=list(FINGERPRINT_INDEX)).to_pydict()
+    files = {}
+    for name in sorted(set(idx["shard"])):
+        st = (hdir / name).stat()
+        files[name] = [st.st_size, st.st_mtime_ns]
+    blob = orjson.dumps({"info": {k: info.get(k) for k in FINGERPRINT_INFO}, "index": idx, "files": files},
+                        option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def keep_verification(hdir: Path, before: dict[str, Any]) -> bool:
+    """After the index was rewritten (`merge.merge_index`): carry `before`'s verification over when the store is
+    provably the one verified (same fingerprint); True when kept. Otherwise the new index has none."""
+    ver = before.get("verification")
+    if not ver or not ver.get("fingerprint"):
+        return False
+    info = orjson.loads((hdir / INFO_FILE).read_bytes())
+    if store_fingerprint(hdir, info) != ver["fingerprint"]:
+        return False
+    info["verification"] = ver
+    _write(hdir / INFO_FILE, orjson.dumps(info, option=orjson.OPT_INDENT_2))
+    return True

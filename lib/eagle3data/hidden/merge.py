@@ -1,0 +1,61 @@
+"""Stage 04's one index: `merge_store` (`extract.merge_index` for the model) builds `index.parquet` and `index.json` from every worker's finished shards.
+
+`extract --merge-only` and the last worker of `run_extract` call it. The verification that
+`verify-hidden` recorded in `index.json` is carried over when the merged store is provably the
+one verified (`verify.store_fingerprint`: the same index rows, files, sizes and modification
+times, and the same kind of store); otherwise it is dropped, and 05 refuses until verify-hidden runs again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from eagle3data.core.params import RunParams
+from eagle3data.core.profiles import AuxLayers
+from eagle3data.hidden.mix import Mix, hidden_dir, read_mix
+from eagle3data.hidden.store import INFO_FILE, HiddenError, index_rows, scan_shards, state_names, write_index
+from eagle3data.hidden.verify import keep_verification
+
+
+class IncompleteError(HiddenError):
+    """Some samples of the mix are not stored yet (other workers still running, or a stopped run)."""
+
+    def __init__(self, msg: str, missing: int):
+        super().__init__(msg)
+        self.missing = missing
+
+
+def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: Mix | None = None,
+                allow_partial: bool = False) -> Any:
+    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards (`store.write_index`),
+    for a store of `layers` (the model's layer plan) and `hidden_size`; `extract.merge_index` is this for the model.
+
+    Each mix sample appears once (a sample found in two shards, e.g. after the world size
+    changed mid-run, is indexed from the first shard by name and counted as a duplicate);
+    shard samples no longer in the mix are left out and counted as stale. Raises
+    IncompleteError while samples are missing, unless `allow_partial`. A verification of the same
+    store is kept (module docstring).
+    """
+    hdir = hidden_dir(params)
+    mix = mix or read_mix(hdir)
+    too_long = [d for d in mix.dropped if d["reason"] == "too_long"]  # reported here too; never in the mix
+    scan = scan_shards(hdir)
+    states = state_names(params.hidden.final_state)
+    scan.check_kind(params.hidden.layout, states, hdir, params.hidden.codec())
+    rows, missing, duplicates, stale = index_rows(scan, mix.samples)
+    if missing and not allow_partial:
+        raise IncompleteError(f"{len(missing)} of {len(mix.samples)} mix samples are not stored yet "
+                              f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
+    run = {"model": params.model.name, "profile": params.profile, "num_layers": layers.num_layers,
+           "hf_indices": list(layers.hf_indices), "layer_outputs": list(layers.layer_outputs),
+           "states": list(states), "final_state": params.hidden.final_state, "layout": params.hidden.layout,
+           "hidden_size": int(hidden_size), "dtype": params.hidden.dtype,
+           "storage": params.hidden.codec().as_dict()}
+    before = orjson.loads((hdir / INFO_FILE).read_bytes()) if (hdir / INFO_FILE).exists() else {}
+    df = write_index(hdir, rows, scan, run, {
+        "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
+        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint")})
+    keep_verification(hdir, before)
+    return df
