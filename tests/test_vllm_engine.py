@@ -197,7 +197,7 @@ def test_verify_hidden_through_the_server_catches_a_changed_sample(both_stores, 
 
 # ---------------------------------------------------------------------------- (c) the CLI with a launched server
 
-COPIES = 8  # copies of each ci record (ids made distinct): a mix long enough to stop in the middle of
+COPIES = 4  # copies of each ci record (ids made distinct): a mix long enough to stop in the middle of
 
 
 def many_records(ci_run, root: Path) -> None:
@@ -241,14 +241,15 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def wait_extracted(run_dir: Path, n: int, proc: subprocess.Popen) -> None:
-    """Wait until 04's progress (progress.json) shows `n` samples stored by this run."""
+def wait_extracted(run_dir: Path, n: int, proc: subprocess.Popen, since: float) -> None:
+    """Wait until 04's live progress (progress.json, written after `since`) shows `n` samples stored by this run."""
     while True:
         try:
             prog = orjson.loads((run_dir / "progress.json").read_bytes())
         except (OSError, ValueError):
             prog = {}
-        if prog.get("stage") == "04_extract_hidden" and ((prog.get("figures") or {}).get("extracted") or 0) >= n:
+        if (prog.get("stage") == "04_extract_hidden" and prog.get("updated_at", 0) > since and not prog.get("final")
+                and ((prog.get("figures") or {}).get("extracted") or 0) >= n):
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
@@ -280,8 +281,8 @@ def test_ctrl_c_then_a_killed_run_then_resume_through_the_cli(ci_run, hidden_ser
     root = tmp_path / "cli"
     many_records(ci_run, root)
     run_dir, files = root / "ci", root / "ci" / "hidden" / "engine_files"
-    proc = cli_04(root)  # 1. Ctrl-C once progress shows
-    wait_extracted(run_dir, 2, proc)
+    proc, t0 = cli_04(root), time.time()  # 1. Ctrl-C once progress shows
+    wait_extracted(run_dir, 2, proc, t0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate()
     assert proc.returncode == 3 and "stopped: SIGINT" in err and "04_extract_hidden stopped" in err, (out, err)
@@ -289,8 +290,8 @@ def test_ctrl_c_then_a_killed_run_then_resume_through_the_cli(ci_run, hidden_ser
     assert 2 <= len(first) < n and len(set(first)) == len(first)  # what came back before the stop is on disk
     assert not server_of(files)  # the launched server is gone
 
-    proc = cli_04(root)  # 2. killed outright mid-capture: its kernel and server go with it
-    wait_extracted(run_dir, 2, proc)
+    proc, t0 = cli_04(root), time.time()  # 2. killed outright mid-capture: its kernel and server go with it
+    wait_extracted(run_dir, 2, proc, t0)
     doomed = server_of(files) + psutil.Process(proc.pid).children(recursive=True)
     assert server_of(files)
     proc.kill()
