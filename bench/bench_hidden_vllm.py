@@ -6,7 +6,9 @@ embedded run generated once) into fresh stores, the same params but `hidden.back
 started once before the passes (its start-up time is reported apart) and serves every vLLM pass; the
 HF model is loaded once. Passes alternate (hf, vllm, hf, vllm, ...) and each one's best counts (the
 CPU is shared). Figures: tokens/s of the capture (stats `seconds`) and of the whole `run_extract`
-(mix, plan, merge, validation), their ratios vLLM/HF, and the client's CPU on the vLLM path (the
+(mix, plan, merge, and 04's own verify: the head checks and `verify_recompute` samples per shard
+recomputed by each path's own backend, the vLLM one through the same server), their ratios
+vLLM/HF, and the client's CPU on the vLLM path (the
 engine's `process_time`: requests, reading and checking files, the post-norm): CPU-seconds per
 sample, and as a share of the capture's wall time (`vllm_client_cpu_over_capture`: the cores the
 client keeps busy while the server works; it must stay well under the client's cores for the
