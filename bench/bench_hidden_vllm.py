@@ -6,8 +6,13 @@ embedded run generated once) into fresh stores, the same params but `hidden.back
 started once before the passes (its start-up time is reported apart) and serves every vLLM pass; the
 HF model is loaded once. Passes alternate (hf, vllm, hf, vllm, ...) and each one's best counts (the
 CPU is shared). Figures: tokens/s of the capture (stats `seconds`) and of the whole `run_extract`
-(mix, plan, merge, validation), their ratios vLLM/HF, and the client's CPU per sample on the vLLM
-path (the engine's `process_time`: requests, reading and checking files, the post-norm). A figure on
+(mix, plan, merge, and 04's own verify: the head checks and `verify_recompute` samples per shard
+recomputed by each path's own backend, the vLLM one through the same server), their ratios
+vLLM/HF, and the client's CPU on the vLLM path (the
+engine's `process_time`: requests, reading and checking files, the post-norm): CPU-seconds per
+sample, and as a share of the capture's wall time (`vllm_client_cpu_over_capture`: the cores the
+client keeps busy while the server works; it must stay well under the client's cores for the
+client never to be what a GPU server waits on). A figure on
 a 2-core CPU to report, not a goal: vLLM's place is the GPU node that runs targets HF cannot.
 """
 
@@ -89,6 +94,8 @@ def main() -> int:
         "hf_wall_tokens_per_s": hf["wall_tokens_per_s"], "vllm_wall_tokens_per_s": vl["wall_tokens_per_s"],
         "vllm_vs_hf_wall": round(vl["wall_tokens_per_s"] / hf["wall_tokens_per_s"], 3),
         "vllm_client_cpu_ms_per_sample": round(1000 * vl["client_cpu_s"] / vl["samples"], 2),
+        "vllm_client_cpu_s_per_sample": round(vl["client_cpu_s"] / vl["samples"], 5),
+        "vllm_client_cpu_over_capture": round(vl["client_cpu_s"] / vl["capture_s"], 4),
         "vllm_server_start_s": start_s, "load_average_1_5_15": [round(x, 2) for x in load],
         "cpus": os.cpu_count(), "runs": runs,
     }

@@ -1,7 +1,10 @@
 """04's `vllm` backend against the vLLM-shaped loopback server (tests/loopback.py) that writes hidden-states
 files as vLLM's connector does: what is stored, the fault cases (a lost file, a lock never released, a
 wrong echoed id, a dead server: each fails its samples with the reason and loses nothing else), Ctrl-C
-and resume, the params and the server command. The real engine: tests/test_vllm_engine.py.
+and resume, 04's own verify and `verify-hidden` recomputing through the server, the final norm's kind,
+the params and the server command; a launched server's lifetime (a process standing in for vLLM):
+it dies with its launcher, and a stale one is stopped by the next start. The real engine:
+tests/test_vllm_engine.py.
 """
 
 from __future__ import annotations
@@ -11,20 +14,25 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import orjson
+import psutil
 import pytest
 import torch
 
 from eagle3data.core.params import ParamsError, load_params
-from eagle3data.generate.backends.vllm_server import server_command
+from eagle3data.generate.backends.vllm_server import (EngineCommand, ServerError, VLLMServer, free_port, model_dir,
+                                                       server_command)
 from eagle3data.hidden.extract import layer_plan, load_config, run_extract
 from eagle3data.hidden.mix import hidden_dir, read_mix
 from eagle3data.hidden.store import HiddenReader, read_shard_meta, shard_dir
-from eagle3data.hidden.vllm_capture import final_norm, hidden_command, rms_norm
+from eagle3data.hidden.store import HiddenError
+from eagle3data.hidden.verify_run import verify_cli
+from eagle3data.hidden.vllm_capture import final_norm, hidden_command, norm_kind, rms_norm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
@@ -92,8 +100,13 @@ def test_the_store_holds_what_the_engine_wrote(fake_engine, vllm_params, monkeyp
         assert torch.equal(got[:, :4], want.to(torch.bfloat16))  # aux x 3 and pre-norm as the engine wrote them
         assert torch.equal(got[:, 4], rms_norm(want[:, 3], weight, eps).to(torch.bfloat16))
     sent = completions(fake_engine)
-    assert sorted(tuple(r["body"]["prompt"]) for r in sent) == sorted(tuple(s.input_ids) for s in mix.samples)
+    n = len(mix.samples)
+    assert sorted(tuple(r["body"]["prompt"]) for r in sent[:n]) == sorted(tuple(s.input_ids) for s in mix.samples)
     assert all(r["body"]["max_tokens"] == 1 and r["body"]["return_token_ids"] is True for r in sent)
+    # 04's own verify recomputed its verify_recompute samples through the same server, and they agree
+    v = res.verification.summary
+    assert v["recomputed"] == len(sent) - n == min(p.hidden.verify_recompute, n) > 0
+    assert v["checks"]["recompute"] == {**v["checks"]["recompute"], "applicable": v["recomputed"], "failed": 0}
     assert not list(fake_engine.hidden_dir.iterdir())  # every engine file (and lock) deleted once stored
     assert res.stats["backend"] == "vllm" and res.stats["failed"] == 0 and res.stats["extracted"] == len(mix.samples)
 
@@ -230,3 +243,141 @@ def test_kimi_vllm_params_and_the_command_to_start_its_server(capsys):
     assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in kv
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == v.files_dir
     assert "PYTHONPATH" not in out and "VLLM_CPU_KVCACHE_SPACE" not in out
+
+
+def _scale_one_sample(p, key: str, layer: int, factor: float) -> None:
+    """Multiply one stored sample's layer by `factor` in its shard on disk (a change no statistic sees)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    rd = HiddenReader(hidden_dir(p))
+    row = rd.index.iloc[rd.keys().index(key)]
+    f = hidden_dir(p) / row["shard"]
+    with safe_open(str(f), framework="pt") as h:
+        meta = h.metadata()
+    t = load_file(str(f))
+    a, n = int(row["offset"]), int(row["length"])
+    t["hidden_states"][a:a + n, layer] = (t["hidden_states"][a:a + n, layer].float() * factor).to(torch.bfloat16)
+    save_file(t, str(f), metadata=meta)
+
+
+def test_verify_hidden_recomputes_a_vllm_store_through_the_server(fake_engine, vllm_params, monkeypatch):
+    """`verify-hidden --recompute all` on a vLLM store sends each sample to the run's vLLM server (the
+    backend that made it) and flags the one sample whose stored layer differs from the engine's."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = vllm_params(fake_engine, **{"hidden.verify_after": False})
+    assert run_extract(p, progress=False).merged
+    keys = HiddenReader(hidden_dir(p)).keys()
+    before = len(completions(fake_engine))
+    _scale_one_sample(p, keys[1], layer=1, factor=1.02)  # aux_mid of one sample, 2% off
+    verify_cli(str(p.run_dir), recompute="all", positions=4, out=None)
+    rows = [orjson.loads(x) for x in (hidden_dir(p) / "verify.jsonl").read_bytes().splitlines()]
+    assert len(completions(fake_engine)) - before == len(keys)  # every sample recomputed by the server
+    assert [r["key"] for r in rows if "recompute" in r["failed"]] == [keys[1]]
+    assert not list(fake_engine.hidden_dir.iterdir())  # the recompute's engine files deleted too
+
+
+def test_the_final_norm_kind_is_the_models_own():
+    """NORM_KINDS against transformers' own norm classes: `rms_norm` with `final_norm`'s multiplier (`w` or
+    `1 + w`) equals each class's forward; a model type whose norm is unknown or not an RMSNorm is refused."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    cases = {"llama": "LlamaRMSNorm", "qwen3": "Qwen3RMSNorm", "deepseek_v3": "DeepseekV3RMSNorm",
+             "gemma": "GemmaRMSNorm", "gemma3_text": "Gemma3RMSNorm", "qwen3_next": "Qwen3NextRMSNorm"}
+    x = torch.randn(5, 16) * 7
+    for mt, cls in cases.items():
+        module = mt.removesuffix("_text")
+        norm = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)(16, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(16) * 0.3)
+            want = norm(x)
+        w = norm.weight.detach().float()
+        got = rms_norm(x, 1.0 + w if norm_kind(AutoConfig.for_model(mt)) == "rms_1p" else w, 1e-6)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), mt
+    for mt in ("gpt_neox", "phi", "olmo"):  # LayerNorm finals (or none known): refused, in one line
+        with pytest.raises(HiddenError, match=rf"model_type '{mt}': the kind of its final norm is not known"):
+            norm_kind(AutoConfig.for_model(mt))
+
+
+def test_a_checkpoint_without_the_final_norm_is_refused(ci_run, tmp_path):
+    from safetensors.torch import save_file
+
+    src = model_dir(ci_run)
+    shutil.copy(Path(src) / "config.json", tmp_path / "config.json")
+    save_file({"model.embed_tokens.weight": torch.zeros(4, H)}, str(tmp_path / "model.safetensors"))
+    p = load_params(REPO / "params" / "ci.yaml", {"model.path": str(tmp_path)})
+    with pytest.raises(HiddenError, match=r"no `model.norm.weight` in the checkpoint.*hidden.final_state pre_norm"):
+        final_norm(p, load_config(p))
+
+
+# ---------------------------------------------------------------------------- a launched server's lifetime
+
+FAKE_SERVER = """import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def fake_command(tmp_path: Path) -> EngineCommand:
+    """A process standing in for a vLLM server: answers /health, as `VLLMServer` starts one."""
+    port = free_port("127.0.0.1")
+    return EngineCommand([sys.executable, "-c", FAKE_SERVER, str(port)], {}, f"http://127.0.0.1:{port}/v1",
+                         tmp_path / "engine" / "vllm_hidden.log", 60.0)
+
+
+LAUNCHER = """import pickle, sys, time
+from eagle3data.generate.backends.vllm_server import VLLMServer
+srv = VLLMServer(pickle.loads(bytes.fromhex(sys.argv[1])), progress=False).start()
+print(srv.proc.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_killed_launcher_takes_its_server_with_it(tmp_path):
+    import pickle
+
+    cmd = fake_command(tmp_path)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, pickle.dumps(cmd).hex()], stdout=subprocess.PIPE,
+                                text=True)
+    server = psutil.Process(int(launcher.stdout.readline()))
+    assert server.is_running() and os.getpgid(server.pid) == server.pid != os.getpgid(launcher.pid)  # own session
+    assert orjson.loads(cmd.record.read_bytes())["pid"] == server.pid
+    launcher.kill()  # SIGKILL: no handler, no finally runs
+    launcher.wait()
+    server.wait(timeout=60)  # PR_SET_PDEATHSIG: the kernel SIGTERMs it (bound only so a failure does not hang)
+    assert not server.is_running()
+
+
+def test_the_next_start_stops_a_server_left_by_a_dead_launcher(tmp_path, capsys):
+    cmd = fake_command(tmp_path)
+    cmd.log.parent.mkdir(parents=True)
+    stale = subprocess.Popen(cmd.argv, start_new_session=True)  # left running; its launcher is gone
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rec = {"pid": stale.pid, "pgid": stale.pid, "started": psutil.Process(stale.pid).create_time(),
+           "launcher_pid": dead.pid, "launcher_started": 1.0}
+    cmd.record.write_bytes(orjson.dumps(rec))
+    new = fake_command(tmp_path)
+    with VLLMServer(new) as srv:
+        assert stale.wait(timeout=60) is not None  # stopped before the new one started
+        assert orjson.loads(new.record.read_bytes())["pid"] == srv.proc.pid
+        pid = srv.proc.pid
+    assert f"left running by an earlier launch (pid {stale.pid}" in capsys.readouterr().out
+    assert not new.record.exists() and not psutil.pid_exists(pid)
+    # a record whose launcher still runs (another eagle3data owns that server): refused, nothing stopped
+    other = subprocess.Popen(fake_command(tmp_path).argv, start_new_session=True)
+    rec = {"pid": other.pid, "pgid": other.pid, "started": psutil.Process(other.pid).create_time(),
+           "launcher_pid": os.getppid(), "launcher_started": psutil.Process(os.getppid()).create_time()}
+    new.record.write_bytes(orjson.dumps(rec))
+    try:
+        with pytest.raises(ServerError, match=rf"a vLLM server \(pid {other.pid}\) launched by pid {os.getppid()}"):
+            VLLMServer(fake_command(tmp_path)).start()
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

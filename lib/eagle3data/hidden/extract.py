@@ -47,9 +47,10 @@ from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix
 from eagle3data.hidden.store import (FINAL_NAMES, HiddenError, ShardScan, Validation, _torch_dtype, stored_bytes_per_token,
                                      open_writer, scan_shards, state_names, validate_store)
 from eagle3data.core.provenance import write_provenance
-from eagle3data.hidden.vllm_capture import capture_vllm, engine_layer_ids
+from eagle3data.hidden.vllm_capture import capture_vllm, holds_vllm_server, vllm_layers_note
 from eagle3data.hidden.verify import VerifyResult, verify_store
 from eagle3data.hidden.merge import IncompleteError, merge_store
+from eagle3data.hidden.verify_vllm import vllm_backend
 
 STAGE = "04_extract_hidden"
 
@@ -332,8 +333,7 @@ class ExtractPlan:
         return (f"{lay.num_layers} decoder layers: HF hidden_states index {list(lay.hf_indices)} "
                 f"= outputs of layers {list(lay.layer_outputs)}, then the final state: {hp.final_state} "
                 f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {hp.layout}"
-                + (f"; vLLM layer ids {engine_layer_ids(lay)} (id {lay.num_layers} = pre_norm; post_norm = the "
-                   "final RMSNorm on it in fp32)" if hp.backend == "vllm" else ""))
+                + (vllm_layers_note(lay) if hp.backend == "vllm" else ""))
 
     def context_line(self) -> str:
         """The context limit the mix was built with, and what it dropped."""
@@ -439,6 +439,7 @@ class ExtractResult:
         }
 
 
+@holds_vllm_server  # hidden.backend vllm: one server through the capture and the verify's recompute
 def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, plan: ExtractPlan | None = None,
                 max_new_shards: int | None = None) -> ExtractResult:
     """Stage 04 for this worker: execute one plan (refuse if the disk is short), extract, merge, validate.
@@ -551,11 +552,10 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     result.index = index
     if hp.validate_after:
         result.validation = validate_store(params, mix=mix)
-    if hp.verify_after:  # the model at hand recomputes a few samples per shard (docs/04 Verify); vLLM: none here
-        make = lambda: Capture(plan.model if plan.model is not None else load_extract_model(params), layers,  # noqa: E731
-                               _torch_dtype(hp.dtype), hp.final_state)
-        result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions,
-                                           recompute=hp.verify_recompute if hp.backend == "hf" else 0)
+    if hp.verify_after:  # the store's backend recomputes a few samples per shard: the model at hand, or the same server
+        make = vllm_backend(params, info, config, layers) if hp.backend == "vllm" else lambda: Capture(  # noqa: E731
+            plan.model if plan.model is not None else load_extract_model(params), layers, _torch_dtype(hp.dtype), hp.final_state)
+        result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions, recompute=hp.verify_recompute)
     return result
 
 

@@ -2,7 +2,8 @@
 
 A recompute backend is a factory of what `extract.Capture` is (`run(input_ids) -> states`,
 `close()`), so the forward is 04's own: `hf` is `Capture` on the target loaded as 04 loads it;
-another engine's backend (issue 23, vLLM) registers in `BACKENDS` with the same signature.
+`vllm` (`verify_vllm.py`) recomputes through a vLLM server, for a store that backend made; the
+run's `hidden.backend` picks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store import HiddenReader, _torch_dtype
 from eagle3data.hidden.verify import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
 from eagle3data.hidden.verify_checks import VerifyError
+from eagle3data.hidden.verify_vllm import vllm_backend
 
 
 def hf_backend(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
@@ -33,7 +35,12 @@ def hf_backend(params: RunParams, info: dict[str, Any], config: Any, model: Any 
     return make
 
 
-BACKENDS: dict[str, Callable[..., Callable[[], Any]]] = {"hf": hf_backend}
+def vllm_recompute(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
+    """Through a vLLM server (`verify_vllm.py`: the run's `hidden.vllm`), for a store that backend made."""
+    return vllm_backend(params, info, config, layer_plan(params, config))
+
+
+BACKENDS: dict[str, Callable[..., Callable[[], Any]]] = {"hf": hf_backend, "vllm": vllm_recompute}
 
 
 def parse_recompute(value: str | None) -> int | str:
@@ -52,7 +59,7 @@ def parse_recompute(value: str | None) -> int | str:
 
 
 def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: str | None,
-               backend: str = "hf") -> int:
+               backend: str | None = None) -> int:
     """Verify a run's store; print one line and each failing sample; exit 0 when all pass, 1 when any fails."""
     run_dir = Path(run)
     if not run_dir.is_dir():
@@ -63,7 +70,8 @@ def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: s
     params = params_of_run(run_dir)
     info = HiddenReader(hidden_dir(params)).info
     config = load_config(params)
-    res = verify_store(params, config=config, backend=BACKENDS[backend](params, info, config), recompute=per_shard,
+    make = BACKENDS[backend or params.hidden.backend](params, info, config)  # the backend that made the store
+    res = verify_store(params, config=config, backend=make, recompute=per_shard,
                        positions=DEFAULT_POSITIONS if positions is None else positions, out=out)
     print(res.line())
     for r in res.rows:

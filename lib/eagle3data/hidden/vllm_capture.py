@@ -25,10 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import orjson
 
@@ -58,6 +59,12 @@ def engine_layer_ids(layers: AuxLayers) -> list[int]:
     return [*layers.hf_indices, layers.num_layers]
 
 
+def vllm_layers_note(layers: AuxLayers) -> str:
+    """What 04's plan adds to its layers line for the vLLM backend."""
+    return (f"; vLLM layer ids {engine_layer_ids(layers)} (id {layers.num_layers} = pre_norm; post_norm = the "
+            "final norm on it in fp32)")
+
+
 def files_dir(params: RunParams) -> Path:
     """Where a launched server writes its per-request files."""
     v = params.hidden.vllm
@@ -84,29 +91,64 @@ def hidden_command(params: RunParams, layers: AuxLayers) -> EngineCommand:
 # ---------------------------------------------------------------------------- the final norm
 
 
+# The final norm of a model type (its text config's `model_type`), as transformers 5.24 computes it
+# (each RMSNorm's forward, read in transformers' modeling code; tests/test_hidden_vllm.py checks
+# the listed ones against transformers' own classes): `x / rms(x)` in fp32 times `weight` ("rms")
+# or times `1 + weight` ("rms_1p": Gemma 1-3, Qwen3-Next/3.5). A type not listed, or one whose final
+# norm is a LayerNorm, is refused: its post-norm state would be silently wrong.
+NORM_KINDS = {
+    **dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                     "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear", "glm",
+                     "glm4", "glm4_moe", "gpt_oss", "granite", "granitemoe", "granitemoeshared", "phi3", "olmo2",
+                     "olmo3", "olmoe", "minimax", "minimax_m2", "smollm3", "ernie4_5", "ernie4_5_moe", "exaone4",
+                     "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "llama4_text", "longcat_flash", "dots1",
+                     "gemma3n_text", "apertus", "arcee", "jamba", "kimi_k25"), "rms"),  # Kimi-K2.x: DeepSeek-V3's
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+                     "vaultgemma"), "rms_1p"),
+}
+
+
+def norm_kind(config: Any) -> str:
+    """The final norm's kind of a model from its config (`NORM_KINDS`), or a HiddenError in one line."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    mt = getattr(text, "model_type", None)
+    kind = NORM_KINDS.get(mt)
+    if kind is None:
+        raise HiddenError(f"model_type {mt!r}: the kind of its final norm is not known to eagle3data (vllm_capture."
+                          "NORM_KINDS), so the post-norm state cannot be computed from vLLM's pre-norm one: set "
+                          "hidden.final_state pre_norm, or use hidden.backend hf")
+    if getattr(text, "rms_norm_eps", None) is None:
+        raise HiddenError(f"model_type {mt!r}: the config has no rms_norm_eps: cannot compute the post-norm state "
+                          "(set hidden.final_state pre_norm)")
+    return kind
+
+
 def final_norm(params: RunParams, config: Any) -> tuple[Any, float]:
-    """(weight fp32, eps) of the model's final RMSNorm, read from the checkpoint (no model loaded)."""
+    """(multiplier fp32, eps) of the model's final RMSNorm, read from the checkpoint (no model loaded):
+    `weight`, or `1 + weight` for the "rms_1p" kind, so that `rms_norm(x, *final_norm(...))` is the model's."""
     import torch
     from safetensors import safe_open
 
-    folder = Path(model_dir(params))
+    kind = norm_kind(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    eps = getattr(text, "rms_norm_eps", None)
-    if eps is None:
-        raise HiddenError(f"{folder}: the config has no rms_norm_eps: post_norm from vLLM needs an RMSNorm model "
-                          "(or set hidden.final_state pre_norm)")
+    folder = Path(model_dir(params))
     index = folder / "model.safetensors.index.json"
     where = orjson.loads(index.read_bytes())["weight_map"] if index.exists() else {
         k: f.name for f in sorted(folder.glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()}
     names = sorted((k for k in where if k.endswith("model.norm.weight")), key=len)
     if not names:
-        raise HiddenError(f"{folder}: no `model.norm.weight` in the checkpoint: cannot compute the post-norm state")
+        raise HiddenError(f"{folder}: no `model.norm.weight` in the checkpoint: cannot compute the post-norm state "
+                          "(set hidden.final_state pre_norm)")
     with safe_open(str(folder / where[names[0]]), framework="pt") as f:
-        return f.get_tensor(names[0]).to(torch.float32), float(eps)
+        w = f.get_tensor(names[0]).to(torch.float32)
+    if tuple(w.shape) != (int(text.hidden_size),):
+        raise HiddenError(f"{folder}: `{names[0]}` has shape {tuple(w.shape)}, not ({text.hidden_size},): not the "
+                          "final norm's weight")
+    return (1.0 + w if kind == "rms_1p" else w), float(text.rms_norm_eps)
 
 
 def rms_norm(x: Any, weight: Any, eps: float) -> Any:
-    """`weight * x / sqrt(mean(x^2) + eps)` in fp32 (the final norm of Llama/Qwen/DeepSeek models)."""
+    """`weight * x / sqrt(mean(x^2) + eps)` in fp32 (`weight`: `final_norm`'s multiplier)."""
     import torch
 
     x = x.to(torch.float32)
@@ -176,6 +218,76 @@ def remove_engine_files(path: str) -> None:
     for p in (path, path + ".lock"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(p)
+
+
+# ---------------------------------------------------------------------------- the server of one 04 run
+
+
+class ServerLease:
+    """The vLLM server one 04 run talks to: `hidden.vllm.base_url`, or (`launch`) one started on first use
+    and stopped by `close()`, so that the capture and the verify's recompute use the same server."""
+
+    def __init__(self, params: RunParams, progress: bool = True):
+        self.params, self.progress = params, progress
+        self.server: VLLMServer | None = None
+
+    def base_url(self, layers: AuxLayers) -> str:
+        v = self.params.hidden.vllm
+        if not v.launch:
+            return str(v.base_url)
+        if self.server is None:
+            files_dir(self.params).mkdir(parents=True, exist_ok=True)
+            self.server = VLLMServer(hidden_command(self.params, layers), progress=self.progress).start()
+        return self.server.base_url
+
+    def close(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+
+_LEASES: dict[str, ServerLease] = {}  # a run's hidden folder -> the lease of its run_extract in progress
+
+
+@contextlib.contextmanager
+def vllm_session(params: RunParams, progress: bool = True):
+    """Around one `run_extract`: a launched server lives through the capture and the verify, then stops
+    (an error or Ctrl-C too); for `hidden.backend: hf` nothing."""
+    if params.hidden.backend != "vllm":
+        yield None
+        return
+    key, lease = str(hidden_dir(params)), ServerLease(params, progress)
+    _LEASES[key] = lease
+    try:
+        yield lease
+    finally:
+        _LEASES.pop(key, None)
+        lease.close()
+
+
+def holds_vllm_server(run_extract: Callable[..., Any]) -> Callable[..., Any]:
+    """`run_extract` inside `vllm_session`: what it launches is stopped when it returns or raises."""
+
+    @functools.wraps(run_extract)
+    def run(params: RunParams, progress: bool = True, **kw: Any) -> Any:
+        with vllm_session(params, progress):
+            return run_extract(params, progress, **kw)
+
+    return run
+
+
+@contextlib.contextmanager
+def run_lease(params: RunParams, progress: bool = True):
+    """The lease of the 04 run in progress for these params (not closed here), else one of its own (closed)."""
+    lease = _LEASES.get(str(hidden_dir(params)))
+    if lease is not None:
+        yield lease
+        return
+    lease = ServerLease(params, progress)
+    try:
+        yield lease
+    finally:
+        lease.close()
 
 
 # ---------------------------------------------------------------------------- requests and the engine
@@ -300,15 +412,11 @@ class HiddenEngine(Engine):
 def capture_vllm(params: RunParams, todo: list[tuple[int, Sample]], writer: Any, stats: dict[str, Any], *,
                  layers: AuxLayers, config: Any, progress: bool = True) -> None:
     """Extract `todo` through a vLLM server (started here with `launch`); fill `stats` as the HF loop does."""
-    v, hp = params.hidden.vllm, params.hidden
+    hp = params.hidden
     norm = final_norm(params, config) if "post_norm" in state_names(hp.final_state) else None
     jobs = [Job(s.dataset, s.sample_id, [], None, list(s.input_ids), turn=s.turn, prompt=(pos, s)) for pos, s in todo]
-    stack = contextlib.ExitStack()
-    with stack:
-        base_url = v.base_url
-        if v.launch:
-            files_dir(params).mkdir(parents=True, exist_ok=True)
-            base_url = stack.enter_context(VLLMServer(hidden_command(params, layers), progress=progress)).base_url
+    with run_lease(params, progress) as lease:
+        base_url = lease.base_url(layers)
         engine = HiddenEngine(params, jobs, base_url=base_url, writer=writer, hidden_size=stats["hidden_size"],
                               norm=norm, done_keys=set(), progress=progress)
 

@@ -11,21 +11,35 @@ cache size). `EngineCommand.shell()` is the same command as one line to paste on
 Ctrl-C in the terminal reaches the run, which then stops the server; never the server mid-request),
 logs to a file, waits for `/health` (a one-line error with the log's tail if it exits or times
 out first), and stops it (SIGTERM to its process group, SIGKILL after a grace) at the end.
+
+A launcher killed outright (SIGKILL, a crash, the notebook kernel killed) must not leave a 5 GB
+server running: on Linux the server is started with `PR_SET_PDEATHSIG` (set by prctl in the
+child before exec: the kernel sends it SIGTERM when its launcher dies, and vLLM's own SIGTERM
+handling stops its engine processes), and every launched server is recorded beside its log
+(`engine/vllm_<stage>.pid.json`: pid, process group, start time, the launcher's pid and start
+time). The next start of that stage finds the record and stops a server still running from it
+(same pid and start time, its launcher gone), and refuses while its launcher still runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shlex
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+import psutil
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.models import EMBEDDED_PREFIX, resolve_model_path
@@ -34,6 +48,7 @@ from eagle3data.core.params import RunParams, VLLMParams, repo_root
 API_SERVER = "vllm.entrypoints.openai.api_server"
 LOG_TAIL_LINES = 25
 STOP_GRACE_S = 30.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ServerError(UserInputError, RuntimeError):
@@ -57,6 +72,11 @@ class EngineCommand:
     log: Path
     start_timeout_s: float = 900.0
     extra_env_path: list[str] = field(default_factory=list)  # prepended to PYTHONPATH (04's connector folder)
+
+    @property
+    def record(self) -> Path:
+        """The launched server's record (beside its log): what the next start checks for a stale server."""
+        return self.log.with_suffix(".pid.json")
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
@@ -139,11 +159,14 @@ class VLLMServer:
             raise ServerError(f"no engine Python at {python}: run `make engine` (vLLM in its own venv, .engine/), or "
                               "set server.python")
         self.cmd.log.parent.mkdir(parents=True, exist_ok=True)
+        stop_stale(self.cmd.record, progress=self.progress)
         with open(self.cmd.log, "ab") as log:
             log.write(f"$ {self.cmd.shell()}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.cmd.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.cmd.environment(), start_new_session=True)
+                                         env=self.cmd.environment(), start_new_session=True,
+                                         preexec_fn=die_with_launcher())
+        write_record(self.cmd.record, self.proc.pid, self.cmd)
         if self.progress:
             print(f"vLLM server starting (pid {self.proc.pid}, log {self.cmd.log}): {self.cmd.base_url}", flush=True)
         try:
@@ -176,21 +199,115 @@ class VLLMServer:
             print(f"vLLM server healthy after {self.started_s:g} s", flush=True)
 
     def stop(self) -> None:
-        """SIGTERM the server's process group, SIGKILL after STOP_GRACE_S; idempotent."""
+        """SIGTERM the server's process group, SIGKILL after STOP_GRACE_S; its record removed; idempotent."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_group(proc.pid)  # the whole group: the engine processes may outlive the API server
+        proc.wait()
+        remove_record(self.cmd.record, proc.pid)
 
     def __enter__(self) -> "VLLMServer":
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------------------- a launcher that dies takes its server
+
+
+def die_with_launcher() -> Any:
+    """A `preexec_fn` (runs in the child, before exec) asking Linux to SIGTERM the server when its launcher dies.
+
+    The signal follows the launcher's *thread* that forked (prctl(2)); a server started from another
+    thread than the main one would die with that thread, so it is asked for on the main thread only
+    (elsewhere the record below is the only guard). None where there is no prctl (not Linux)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here, in the launcher: the child only calls it
+    launcher = os.getpid()
+
+    def child() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # the launcher died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return child
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def write_record(path: Path, pid: int, cmd: EngineCommand) -> None:
+    """Who runs the server and who launched it, beside its log (written then renamed)."""
+    rec = {"pid": pid, "pgid": pid, "started": _start_time(pid), "launcher_pid": os.getpid(),
+           "launcher_started": _start_time(os.getpid()), "base_url": cmd.base_url, "log": str(cmd.log)}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(orjson.dumps(rec))
+    os.replace(tmp, path)
+
+
+def remove_record(path: Path, pid: int) -> None:
+    """Remove the record if it is this server's (a later launch may have replaced it)."""
+    try:
+        if orjson.loads(path.read_bytes()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(pid: int | None, started: float | None) -> bool:
+    """The process `pid` runs and is the one recorded (same start time: not a reused pid)."""
+    return bool(pid) and started is not None and _start_time(int(pid)) == started
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of a process group (a server and the engine processes it started)."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError):
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+    return out
+
+
+def stop_group(pgid: int) -> None:
+    """SIGTERM a process group, SIGKILL what of it outlives STOP_GRACE_S; return once all of it is gone."""
+    members = group_members(pgid)
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    _, alive = psutil.wait_procs(members, timeout=STOP_GRACE_S)
+    if alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        psutil.wait_procs(alive)
+
+
+def stop_stale(path: Path, *, progress: bool = True) -> None:
+    """Stop the server an earlier launcher of this stage left running (its record says so), else do nothing.
+
+    A record whose server is gone is removed; one whose launcher still runs is refused (another
+    eagle3data owns that server): a ServerError naming both pids."""
+    try:
+        rec = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        path.unlink(missing_ok=True)
+        return
+    pid = rec.get("pid")
+    if _alive(pid, rec.get("started")):
+        if _alive(rec.get("launcher_pid"), rec.get("launcher_started")) and rec.get("launcher_pid") != os.getpid():
+            raise ServerError(f"{path}: a vLLM server (pid {pid}) launched by pid {rec['launcher_pid']}, which still "
+                              "runs, serves this run's stage: stop that run first (eagle3data stop RUN)")
+        if progress:
+            print(f"stopping a vLLM server left running by an earlier launch (pid {pid}, record {path})", flush=True)
+        stop_group(int(rec.get("pgid") or pid))
+    path.unlink(missing_ok=True)
