@@ -352,3 +352,21 @@ def test_the_summary_table_and_the_report_show_no_nan(clean, tmp_path):
     assert t.loc["coverage", "upper95"] == "" and t.loc["finite", "upper95"] == f"{3 / 8:.2%}"
     assert not [v for v in t["upper95"] if "nan" in v.lower()]
     assert "nan%" not in verification_html(res.summary).lower()
+
+
+def test_the_head_applies_the_models_own_final_norm_kind(tmp_path):
+    """A Gemma-style checkpoint stores w and multiplies by 1 + w: verify's head must too (hidden/norms.py)."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3data.hidden.verify_checks import load_head
+
+    w = torch.linspace(-0.5, 0.5, 8)
+    save_file({"model.norm.weight": w, "lm_head.weight": torch.randn(16, 8)}, str(tmp_path / "model.safetensors"))
+    x = torch.randn(3, 8)
+    for model_type, mult in (("llama", w), ("gemma2", 1.0 + w)):
+        head = load_head(tmp_path, SimpleNamespace(model_type=model_type, rms_norm_eps=1e-6))
+        want = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * mult
+        torch.testing.assert_close(head.norm(x), want)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import orjson
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.hidden.norms import known_norm_kind
 
 # Limits measured on clean stores (docs/04 "Verify" gives the figures they come from).
 # head_top1 (greedy records): a sample fails when its top-1 misses at K output positions are more than a clean
@@ -146,7 +147,10 @@ def load_head(model_dir: str | Path, config: Any) -> Head:
         with safe_open(str(where[name]), framework="pt") as f:
             got[name] = f.get_tensor(name).to(torch.float32)
     eps = getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_epsilon", None) or 1e-6
-    return Head(got[norm], got[head], float(eps), (norm, head))
+    weight = got[norm]
+    if known_norm_kind(config) == "rms_1p":  # Gemma-style: the checkpoint stores w, the model multiplies by 1 + w
+        weight = 1.0 + weight
+    return Head(weight, got[head], float(eps), (norm, head))
 
 
 # ---------------------------------------------------------------------------- per-sample figures

@@ -37,6 +37,7 @@ from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers, get_profile
 from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
 from eagle3data.core.reader import Sample
+from eagle3data.hidden.norms import NORM_KINDS, known_norm_kind  # noqa: F401  (NORM_KINDS: read by tests)
 from eagle3data.generate.backends.engine import Engine, EngineSettings, Job, record_dict
 from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.vllm import VLLMBackend, completion_choices
@@ -96,23 +97,13 @@ def hidden_command(params: RunParams, layers: AuxLayers) -> EngineCommand:
 # the listed ones against transformers' own classes): `x / rms(x)` in fp32 times `weight` ("rms")
 # or times `1 + weight` ("rms_1p": Gemma 1-3, Qwen3-Next/3.5). A type not listed, or one whose final
 # norm is a LayerNorm, is refused: its post-norm state would be silently wrong.
-NORM_KINDS = {
-    **dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3",
-                     "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_linear", "glm",
-                     "glm4", "glm4_moe", "gpt_oss", "granite", "granitemoe", "granitemoeshared", "phi3", "olmo2",
-                     "olmo3", "olmoe", "minimax", "minimax_m2", "smollm3", "ernie4_5", "ernie4_5_moe", "exaone4",
-                     "hunyuan_v1_dense", "hunyuan_v1_moe", "seed_oss", "llama4_text", "longcat_flash", "dots1",
-                     "gemma3n_text", "apertus", "arcee", "jamba", "kimi_k25"), "rms"),  # Kimi-K2.x: DeepSeek-V3's
-    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
-                     "vaultgemma"), "rms_1p"),
-}
 
 
 def norm_kind(config: Any) -> str:
     """The final norm's kind of a model from its config (`NORM_KINDS`), or a HiddenError in one line."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     mt = getattr(text, "model_type", None)
-    kind = NORM_KINDS.get(mt)
+    kind = known_norm_kind(config)
     if kind is None:
         raise HiddenError(f"model_type {mt!r}: the kind of its final norm is not known to eagle3data (vllm_capture."
                           "NORM_KINDS), so the post-norm state cannot be computed from vLLM's pre-norm one: set "
