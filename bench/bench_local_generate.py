@@ -7,6 +7,8 @@ refilled as rows finish), timed in the middle of the run, over sequential (one `
 prompt, all 25). `per_batch`: the queue cut into groups of 8, each group through both sides back to
 back (order alternating from group to group, so a load change on this shared machine hits both
 alike): the gain within a group, where the last rows of a group have no prompt to refill from.
+`continuous_prefill`: prompt tokens of the whole queue, those taken from a stored prompt's
+cache instead of prefilled, and how often the slot cache's window was copied into a new buffer.
 Also measured: one decode step at batch 1 and at batch 8 (KV cache of 200 tokens), whose ratio
 bounds what batching can gain here. Every prompt's ids must equal sequential greedy's on both
 continuous runs. Goal: ratio >= 3. Writes outputs/bench/local_generate.json.
@@ -105,6 +107,7 @@ def main() -> dict:
             t0 = time.perf_counter()
             whole["ids"] = continuous(backend, ids)
             whole["s"] = time.perf_counter() - t0
+            whole["reused"], whole["copies"] = backend.reused, backend.slots.copies
             print(f"whole queue: continuous {whole['s']:.1f} s, {sum(map(len, whole['ids']))} tokens", flush=True)
 
     seq_s, bat_s = sum(r["seq_s"] for r in groups), sum(r["bat_s"] for r in groups)
@@ -119,6 +122,8 @@ def main() -> dict:
         "sequential": {"seconds": round(seq_s, 2), "output_tokens": seq_tok, "tokens_per_s": round(seq_tok / seq_s, 1)},
         "continuous": {"seconds": round(whole["s"], 2), "output_tokens": whole_tok,
                        "tokens_per_s": round(whole_tok / whole["s"], 1)},
+        "continuous_prefill": {"prompt_tokens": sum(map(len, ids)), "reused_from_stored_prefix": whole["reused"],
+                               "window_copies": whole["copies"]},
         "continuous_per_group": {"seconds": round(bat_s, 2), "output_tokens": bat_tok,
                                  "tokens_per_s": round(bat_tok / bat_s, 1), "ratio": round((bat_tok / bat_s) / (seq_tok / seq_s), 2)},
         "ids_equal": whole["ids"] == seq_ids and all(r["ids_equal"] for r in groups),

@@ -1,7 +1,8 @@
 """A causal-LM stand-in for the local backend: its KV cache holds the token ids themselves.
 
 Each row's reply is `script(prompt ids)`, one id per forward call, whatever the backend does to the
-cache between calls (left-pads it, merges rows, cuts finished ones out): the row's prompt and the ids
+cache between calls (left-pads it, merges rows, cuts finished ones out, starts a prompt from a stored
+prompt's cache): the row's prompt and the ids
 it has been fed are read back from its own cache row (value 1 = prompt, 2 = generated, 0 = padding).
 So a scripted reply comes out right only if the backend keeps every row's cache, mask and order straight.
 """
@@ -28,17 +29,20 @@ class ScriptedLM(torch.nn.Module):
         self.steps: list[int] = []  # rows in each decode step
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=True, **kw):
-        prefill = cache.get_seq_length() == 0
+        prefill = attention_mask is None  # a prompt alone (its start may come from a stored prompt's cache)
+        assert input_ids.shape[1] >= 1, "every forward feeds an id (the next one comes from its logits)"
         if prefill:
             self.calls += 1
             self.hook(self.calls)
-            self.prompts.append(input_ids[0].tolist())
         else:
             self.steps.append(input_ids.shape[0])
             assert attention_mask.shape[1] == cache.get_seq_length() + 1
         ids = input_ids[:, None, :, None].double()  # exact for any id
         cache.update(ids, torch.full_like(ids, 1.0 if prefill else 2.0), 0)
         keys, kinds = cache.layers[0].keys[:, 0, :, 0], cache.layers[0].values[:, 0, :, 0]
+        if prefill:
+            assert kinds.shape[0] == 1 and bool((kinds == 1).all()), "a prompt's cache holds only prompt ids"
+            self.prompts.append(keys[0].long().tolist())
         nxt = []
         for row, kind, mask in zip(keys, kinds, attention_mask if attention_mask is not None else [None] * len(keys)):
             if mask is not None:

@@ -175,7 +175,8 @@ def test_sampling_goes_through_the_same_slots(tmp_path, smollm2_tokenizer):
 
 def test_continuous_batching_gives_every_prompt_the_ids_of_sequential_greedy(smollm2_tokenizer):
     """Embedded SmolLM2, fp32 on CPU: prompts of the shipped datasets, short and long alternating, 3 slots, so
-    rows join a batch padded for a longer row, pad it for themselves, and leave it at different steps;
+    rows join a batch padded for a longer row, pad it for themselves, and leave it at different steps, and a
+prompt that shares its start with one prefilled before prefills only the rest;
     every prompt's output ids equal one greedy `model.generate` per prompt (cut at the first stop id)."""
     from eagle3data.core.models import load_model
     from eagle3data.core.params import SamplingParams
@@ -201,3 +202,33 @@ def test_continuous_batching_gives_every_prompt_the_ids_of_sequential_greedy(smo
             assert got[i]["output_ids"] == want, f"prompt {i} ({len(p)} tokens)"
             assert got[i]["finish_reason"] == ("stop" if stopped else "length")
     assert max(map(len, picked)) > 4 * min(map(len, picked))  # the batch really was padded
+    assert backend.reused > 0  # and prompts started from a stored prompt's cache (the two longest share ~500 ids)
+
+
+def test_slots_and_stored_prefixes_keep_every_row_straight():
+    """The scripted stand-in reads each row's prompt back from its own cache row: prompts that share long
+    starts (a stored prompt's cache reused, up to all but the last id; one prompt twice), lengths from 3 to
+    400 tokens in 3 slots (the window is copied into larger buffers, rows leave at different steps and the
+    last rows move into their slots): every reply is the one its whole prompt scripts."""
+    from eagle3data.core.params import SamplingParams
+    from eagle3data.generate.backends.local import LocalBackend
+
+    eot = SMOLLM2.end_of_turn.id
+
+    def script(prompt):  # depends on every id of the prompt, and of a length that varies
+        return [sum(i * t for i, t in enumerate(prompt, 1)) % 1000 + 10, len(prompt) + 10][: 1 + len(prompt) % 2] \
+            + [7] * (len(prompt) % 5) + [eot]
+
+    system = list(range(100, 140))
+    prompts = [system + [1, 2, 3], system + [1, 2, 4], [5, 6, 7], system + [1, 2, 3], system + list(range(200, 560)),
+               system + list(range(200, 560)) + [9], system + [1], list(range(300, 320)), system + [1, 2, 3, 8]]
+    model = ScriptedLM(script, eot)
+    backend = LocalBackend(model, None, SMOLLM2, SamplingParams(max_new_tokens=8, temperature=0.0), batch_size=3)
+    todo = list(enumerate(prompts))
+    got = list(backend.stream(lambda: todo.pop(0) if todo else None))
+    assert sorted(i for i, _ in got) == list(range(len(prompts)))
+    for i, res in got:
+        assert res["output_ids"] == script(prompts[i])[:8], f"prompt {i}"
+    assert model.prompts == prompts  # every prompt whole in its prefill cache, in the order pulled
+    assert backend.reused >= 40 * 6 + 360  # the stored starts were used, never the whole prompt
+    assert backend.slots.copies >= 2  # the window outgrew its buffer

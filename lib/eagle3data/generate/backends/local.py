@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -29,6 +27,7 @@ from transformers.generation.logits_process import (
 )
 
 from eagle3data.core.profiles import Profile
+from eagle3data.generate.backends.slots import PrefixStore, SlotCache
 
 
 def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], bool]:
@@ -42,66 +41,13 @@ def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int],
 
 @dataclass
 class _Row:
-    """One prompt being generated: the caller's handle, its prompt length, the ids so far."""
+    """One prompt being generated: the caller's handle, its prompt length, the ids so far, its join order."""
 
     handle: Any
     prompt_len: int
+    seq: int = 0
     out: list[int] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """`t` padded with zeros on the left of `dim` (-1 for a mask, -2 for keys/values) to `width`."""
-    n = width - t.shape[dim]
-    if n == 0:
-        return t
-    return F.pad(t, (n, 0) if dim == -1 else (0, 0, n, 0))
-
-
-def _layers(cache: Any) -> list[DynamicLayer]:
-    """The cache's layers; only plain dynamic layers can be padded, merged and cut by row."""
-    bad = {type(x).__name__ for x in cache.layers if type(x) is not DynamicLayer}
-    if bad:
-        raise ValueError(f"continuous batching needs a plain DynamicCache; this model's cache has {sorted(bad)}")
-    return cache.layers
-
-
-class _Batch:
-    """The rows decoding together: one DynamicCache left-padded to the longest row, and its 2-D mask."""
-
-    def __init__(self) -> None:
-        self.rows: list[_Row] = []
-        self.cache: Any = None
-        self.mask: torch.Tensor | None = None  # [rows, cache length], 1 = a real position
-
-    def add(self, row: _Row, cache: Any) -> None:
-        """Join a prefilled row (its own batch-1 cache) to the batch."""
-        n = row.prompt_len
-        one = torch.ones(1, n, dtype=torch.long)
-        if self.cache is None or self.mask is None:
-            self.cache, self.mask = cache, one
-        else:
-            width = max(self.mask.shape[1], n)
-            for mine, theirs in zip(_layers(self.cache), _layers(cache)):
-                mine.keys = torch.cat([_left_pad(mine.keys, width, -2), _left_pad(theirs.keys, width, -2)])
-                mine.values = torch.cat([_left_pad(mine.values, width, -2), _left_pad(theirs.values, width, -2)])
-            self.mask = torch.cat([_left_pad(self.mask, width, -1), _left_pad(one, width, -1)])
-        self.rows.append(row)
-
-    def keep(self, idx: list[int]) -> None:
-        """Keep only these rows, and drop the leading columns that no kept row uses."""
-        if not idx:
-            self.rows, self.cache, self.mask = [], None, None
-            return
-        assert self.mask is not None
-        sel = torch.tensor(idx, dtype=torch.long)
-        mask = self.mask[sel]
-        first = int(mask.any(0).nonzero()[0])
-        self.mask = mask[:, first:]
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys[sel, :, first:]
-            layer.values = layer.values[sel, :, first:]
-        self.rows = [self.rows[i] for i in idx]
 
 
 class LocalBackend:
@@ -117,7 +63,15 @@ class LocalBackend:
         params = inspect.signature(model.forward).parameters  # transformers >= 5.2x calls it `cache`
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.warpers = self._warpers()
-        self.batch = _Batch()
+        self._reset()
+
+    def _reset(self) -> None:
+        """An empty batch and prefix store (each stream starts from nothing)."""
+        self.rows: list[_Row] = []
+        self.slots = SlotCache(self.batch_size, room=self.sampling.max_new_tokens + 1)
+        self.prefixes = PrefixStore()
+        self.joined = 0
+        self.reused = 0  # prompt tokens not prefilled: taken from a stored prefix
 
     def _warpers(self) -> LogitsProcessorList | None:
         """transformers' own sampling warpers in `generate`'s order; None for greedy."""
@@ -148,30 +102,40 @@ class LocalBackend:
                 "latency_s": time.perf_counter() - row.t0}
 
     def _prefill(self, handle: Any, ids: list[int]) -> _Row:
-        """Prefill one prompt alone; its row holds the first output id, its cache joins the batch unless done."""
-        row = _Row(handle, len(ids))
+        """Prefill one prompt alone (batch 1, no padding; a stored prompt's cache for the ids they share);
+        its row holds the first output id, its cache joins the batch unless it is done."""
+        row = _Row(handle, len(ids), seq=self.joined)
+        self.joined += 1
+        t = torch.tensor(ids)
+        shared, kv = self.prefixes.longest(t)
         cache = DynamicCache()
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, logits_to_keep=1,
+        for i, (k, v) in enumerate(kv or []):
+            cache.update(k[:, :, :shared], v[:, :, :shared], i)
+        self.reused += shared
+        out = self.model(input_ids=t[None, shared:].to(self.device), use_cache=True, logits_to_keep=1,
                          **{self.cache_kw: cache})  # the last position's logits only, as `generate` asks
-        row.out.append(self._next(out.logits[:, -1], torch.tensor([ids[-1:]]))[0])
+        row.out.append(self._next(out.logits[:, -1], t[None, -1:])[0])
+        self.prefixes.add(t, cache)
         if not self._done(row):
-            self.batch.add(row, cache)
+            self.slots.join(cache, len(ids))
+            self.rows.append(row)
         return row
 
     def _decode(self) -> list[_Row]:
-        """One decode step of every row in the batch; the rows it finished (they leave the batch)."""
-        b = self.batch
-        assert b.mask is not None
-        last = torch.tensor([[r.out[-1]] for r in b.rows])
-        pos = torch.tensor([[r.prompt_len + len(r.out) - 1] for r in b.rows])
-        b.mask = torch.cat([b.mask, torch.ones(len(b.rows), 1, dtype=torch.long)], 1)
-        out = self.model(input_ids=last.to(self.device), attention_mask=b.mask.to(self.device),
-                         position_ids=pos.to(self.device), use_cache=True, **{self.cache_kw: b.cache})
-        for r, t in zip(b.rows, self._next(out.logits[:, -1], last)):
+        """One decode step of every row in the batch; the rows it finished (they leave the batch), in the
+        order they joined."""
+        last = torch.tensor([[r.out[-1]] for r in self.rows])
+        pos = torch.tensor([[r.prompt_len + len(r.out) - 1] for r in self.rows])
+        mask = self.slots.before_step()
+        out = self.model(input_ids=last.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, **{self.cache_kw: self.slots.cache})
+        self.slots.after_step()
+        for r, t in zip(self.rows, self._next(out.logits[:, -1], last)):
             r.out.append(t)
-        finished = [r for r in b.rows if self._done(r)]
-        if finished:
-            b.keep([i for i, r in enumerate(b.rows) if not self._done(r)])
+        done = [i for i, r in enumerate(self.rows) if self._done(r)]
+        finished = sorted((self.rows[i] for i in done), key=lambda r: r.seq)
+        if done:
+            self.rows = [self.rows[i] for i in self.slots.leave(done)]
         return finished
 
     def stream(self, pull: Callable[[], tuple[Any, list[int]] | None]) -> Iterator[tuple[Any, dict[str, Any]]]:
@@ -182,21 +146,21 @@ class LocalBackend:
         (a budget reached, a conversation's next turn) decides what fills the slot. A second pass of an
         interrupted stream starts from an empty batch.
         """
-        self.batch = _Batch()
+        self._reset()
         self.device = next(self.model.parameters()).device
         if self.warpers is not None:
             torch.manual_seed(self.sampling.seed)
         with torch.inference_mode():
             while True:
                 finished: list[_Row] = []
-                while len(self.batch.rows) < self.batch_size:
+                while len(self.rows) < self.batch_size:
                     nxt = pull()
                     if nxt is None:
                         break
                     row = self._prefill(*nxt)
                     if self._done(row):
                         finished.append(row)
-                if not finished and not self.batch.rows:
+                if not finished and not self.rows:
                     return
                 if not finished:
                     finished = self._decode()
