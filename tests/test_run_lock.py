@@ -256,5 +256,5 @@ def test_export_and_verify_hidden_refuse_a_folder_a_stage_is_writing(ci_run, tmp
 
 def test_export_of_a_missing_run_folder_is_one_line_and_creates_nothing(tmp_path):
     r = _done(_cli("export", str(tmp_path / "nope"), "--format", "specforge", "--out", str(tmp_path / "o")))
-    assert r.returncode != 0 and "no such run folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode != 0 and "no records/ folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "nope").exists()

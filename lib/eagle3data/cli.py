@@ -323,8 +323,8 @@ def print_engine_command(params: Any, stage: str) -> int:
 
 def _hold_existing(run: str, stage: str) -> Any:
     """Hold an existing run folder for a command that writes into it (a typo'd path is an error, not a new folder)."""
-    if not Path(run).is_dir():
-        raise UserError(f"{run}: no such run folder")
+    if not (Path(run) / "records").is_dir():
+        raise UserError(f"{run} has no records/ folder: is it a run folder (outputs/<run>)?")
     return hold_run(Path(run), stage)
 
 
