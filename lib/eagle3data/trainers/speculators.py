@@ -51,8 +51,7 @@ class Speculators(Trainer):
         if not codec.quantized:
             return codec.bytes_per_token(hidden_size)
         st = codec.aux
-        return sum(n * hidden_size * st.value_bytes + st.scale_bytes(n)
-                   for n in (AUX_STATES + 1, codec.states - AUX_STATES - 1) if n)
+        return sum(st.bytes_per_token(n, hidden_size) for n in (AUX_STATES + 1, codec.states - AUX_STATES - 1) if n)
 
     def write_sample(self, path: Path, input_ids: Any, loss_mask: Any, aux: Any, finals: dict[str, Any],
                      meta: str | None = None, *, tmp_suffix: str = ".tmp", storage: Any = None) -> int:
