@@ -2,14 +2,16 @@
 
 Baseline: iterate the store through `HiddenReader` and turn every sample's states into float32
 (the least a consumer does with them). Ours: `verify_store` without recompute (the head at its
-default positions per sample, every per-sample figure, the ids and mask against the records).
-Rounds alternate and the best of each counts (the CPU is shared). The verification's own split
-(setup: records, mix, head tensors; head: the GEMMs; the rest: per-sample figures and the reading)
-comes from its summary. Also measured: the recompute cost per sample (`--recompute all` minus
-none, per sample), the cost per head position of this model's head and of a Kimi-sized head
-(hidden 7168, vocab 163840) on this CPU with the verification's kernels (the Kimi one timed on a
-tenth of the vocabulary and scaled: the matmul and the softmax are linear in it), and the sample
-length from which the floors' head positions keep the verification at 0.5x plain reading.
+default positions, every per-sample figure, the ids and mask against the records). Rounds
+alternate and the best of each counts (the CPU is shared). The verification's own split (setup:
+records, mix, head tensors and moments, the exact plan; head: the GEMMs and logit z's; the rest:
+per-sample figures and the reading) comes from its summary; `streaming_vs_plain_read` compares the
+streamed pass alone (verify less its setup) with the read less opening the reader. Also measured:
+the recompute cost per sample (`--recompute all` minus none, per sample), the cost per position of
+the whole head and of the logit z for this model and for a Kimi-sized one (hidden 7168, vocab
+163840; the whole head timed on a tenth of the vocabulary and scaled: the matmul and the softmax
+are linear in it), a Kimi head's moments (once per checkpoint), and the detection power of the
+floors (`power`).
 
 Store: the embedded run's (`outputs/embedded/hidden`, from `make run`); without one, the nbval
 fixture records are extracted once into outputs/bench/verify_run.
@@ -29,13 +31,19 @@ OUT = REPO / "outputs" / "bench"
 
 
 def store_params():
-    from eagle3data.core.params import load_params
     from eagle3data.core.provenance import params_of_run
-    from eagle3data.hidden.extract import run_extract
 
     real = REPO / "outputs" / "embedded"
     if (real / "hidden" / "index.json").exists():
         return params_of_run(real), "outputs/embedded (make run)"
+    return fixture_params()
+
+
+def fixture_params():
+    """The nbval fixture records, extracted once into outputs/bench/verify_run (the store the limits come from)."""
+    from eagle3data.core.params import load_params
+    from eagle3data.hidden.extract import run_extract
+
     root = OUT / "verify_run"
     p = load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
                     {"output_root": str(root), "hidden.probe_batches": 0, "hidden.verify_after": False})
@@ -78,6 +86,42 @@ def head_cost(positions: int = 512, vocab_part: int = 16384, hidden: int = 7168,
     return best * (vocab / min(vocab_part, vocab)) / positions
 
 
+def z_cost(hidden: int = 7168, positions: int = 4096, rounds: int = 3) -> float:
+    """Seconds per logit-z position on this CPU (float32, `Head.logit_z`'s kernels: the GEMM by the covariance
+    factor, the row norms, the target rows' dot products and the mean logit)."""
+    import torch
+
+    factor, mean = torch.randn(hidden, hidden), torch.randn(hidden)
+    x, rows = torch.randn(positions, hidden), torch.randn(positions, hidden)
+
+    def once() -> None:
+        torch.linalg.vector_norm(x @ factor, dim=-1)
+        (x * rows).sum(-1) - x @ mean
+
+    once()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t0)
+    return best / positions
+
+
+def moments_cost(hidden: int = 7168, vocab: int = 163840, vocab_part: int = 16384) -> float:
+    """Seconds for `Head.moments` of a head this size, once per verification: the centred covariance GEMM (timed
+    on `vocab_part` rows and scaled: linear in the vocabulary) plus the float64 eigendecomposition (timed whole)."""
+    import torch
+
+    w = torch.randn(vocab_part, hidden)
+    t0 = time.perf_counter()
+    c = w - w.mean(0)
+    cov = (c.T @ c).double()
+    gemm = (time.perf_counter() - t0) * vocab / vocab_part
+    t0 = time.perf_counter()
+    torch.linalg.eigh(cov / vocab_part)
+    return gemm + time.perf_counter() - t0
+
+
 def main() -> int:
     import torch
 
@@ -85,7 +129,7 @@ def main() -> int:
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader, stored_bytes_per_token
     from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
-    from eagle3data.hidden.verify_checks import HEAD_FLOPS_PER_BYTE, OUT_FLOOR, PROMPT_FLOOR
+    from eagle3data.hidden.verify_checks import EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, Z_OUT_FLOOR, Z_PROMPT_FLOOR
     from eagle3data.hidden.verify_run import BACKENDS
 
     load_start = os.getloadavg()
@@ -95,8 +139,11 @@ def main() -> int:
     info = HiddenReader(hdir).info
     scratch = OUT / "verify_lines.jsonl"
     tokens = plain_read(hdir)  # warm the page cache for both sides
-    base, ours, runs = [], [], []
+    base, ours, runs, opens = [], [], [], []
     for _ in range(3):
+        t0 = time.perf_counter()
+        HiddenReader(hdir)
+        opens.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         plain_read(hdir)
         base.append(time.perf_counter() - t0)
@@ -115,18 +162,25 @@ def main() -> int:
     hidden, vocab = int(cfg.get_text_config().hidden_size), int(cfg.get_text_config().vocab_size)
     this_head = head_cost(hidden=hidden, vocab=vocab, vocab_part=vocab)
     kimi = head_cost()
+    this_z, kimi_z = z_cost(hidden), z_cost()
+    kimi_moments = moments_cost()
     token_bytes = stored_bytes_per_token(info)
     read_s_per_token = min(base) / tokens
     rest_s = min(ours) - s["setup_seconds"] - s["head_seconds"]  # the per-sample figures and the reading
     figures = {
         "store": where, "samples": n, "tokens": tokens, "bytes_per_token": token_bytes,
-        "positions_cap": DEFAULT_POSITIONS, "out_floor": OUT_FLOOR, "prompt_floor": PROMPT_FLOOR,
+        "positions_cap": DEFAULT_POSITIONS, "exact_run_floor": EXACT_RUN_FLOOR, "z_out_floor": Z_OUT_FLOOR,
+        "z_prompt_floor": Z_PROMPT_FLOOR,
         "head_flops_per_byte": HEAD_FLOPS_PER_BYTE, "head_positions": head,
         "plain_read_s": round(min(base), 4), "verify_s": round(min(ours), 4),
         "speed_vs_plain_read": round(min(base) / min(ours), 4), "goal": ">= 0.5",
         "speed_vs_plain_read_per_round": [round(b / o, 4) for b, o in zip(base, ours)],
         "verify_split_s": {"setup": s["setup_seconds"], "head": s["head_seconds"], "figures_and_reading": round(rest_s, 4)},
         "speed_vs_plain_read_without_head": round(min(base) / max(min(ours) - s["head_seconds"], 1e-9), 4),
+        # the streamed pass alone: the verification less its setup (records, mix, head, moments, the exact plan: once
+        # per verify, whatever the store's size) against the plain read less opening the reader (its index)
+        "streaming_vs_plain_read": round((min(base) - min(opens)) / max(min(ours) - s["setup_seconds"], 1e-9), 4),
+        "reader_open_s": round(min(opens), 4),
         "verify_ok": bool(res.ok and full.ok),
         "recompute_s_per_sample": round((with_all - min(ours)) / n, 4),
         "recompute_s_per_sample_inside_verify": round(full.summary["recompute_seconds"] / n, 4),
@@ -135,14 +189,21 @@ def main() -> int:
         "head_ms_per_position_cpu": round(1e3 * this_head, 3),
         "kimi_head_ms_per_position_cpu": round(1e3 * kimi, 3),
         "kimi_over_this_head": round(kimi / this_head, 2),
+        "z_ms_per_position_cpu": round(1e3 * this_z, 4),
+        "kimi_z_ms_per_position_cpu": round(1e3 * kimi_z, 4),
+        "head_over_z_per_position": round(this_head / this_z, 1),
+        "kimi_head_over_z_per_position": round(kimi / kimi_z, 1),
+        "kimi_moments_s_cpu": round(kimi_moments, 1),
         # at the floors, how long a sample must be (tokens) for verify to reach 0.5x plain reading on this CPU:
         # n * (stats per token) + floor positions * head per position <= 2 * n * read per token
-        "tokens_per_sample_for_half_speed": _break_even(read_s_per_token, rest_s / tokens, this_head,
-                                                        OUT_FLOOR + PROMPT_FLOOR),
+        "tokens_per_sample_for_half_speed": _break_even(read_s_per_token, rest_s / tokens,
+                                                        (Z_OUT_FLOOR + Z_PROMPT_FLOOR) * this_z),
         "power": power(p, cfg),
+        "power_fixture": power(fixture_params()[0], cfg) if where != fixture_params()[1] else "the store above",
         "torch_threads": torch.get_num_threads(), "load_average_at_start": load_start,
         "load_average": os.getloadavg(),
-        "rounds": {"plain_read_s": [round(x, 4) for x in base], "verify_s": [round(x, 4) for x in ours]},
+        "rounds": {"plain_read_s": [round(x, 4) for x in base], "verify_s": [round(x, 4) for x in ours],
+                   "reader_open_s": [round(x, 4) for x in opens]},
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "verify.json").write_text(json.dumps(figures, indent=2))
@@ -151,42 +212,46 @@ def main() -> int:
 
 
 def power(p, cfg, draws: int = 20000) -> dict:
-    """The detection power of the floors, from this store: every output and prompt position of each clean
-    sample, of the sample shifted by one position, and of the sample with the next sample's states (the
-    output part: a swap; the prompt part: a prompt from another sample), through the head.
+    """The detection power of the floors, from this store: every output and prompt position (the prompt ones after
+    the prefix another sample shares, as verify draws them) of each clean sample, of the sample shifted by one
+    position, and of the sample with the next sample's states (the output part: a swap; the prompt part: a prompt
+    from another sample), through the whole head and the logit z.
 
-    head_top1: the measured top-1 rates, and for the floor K the binomial false-fail (a clean sample at
-    TOP1_CLEAN_MISS) and miss (a broken sample at BROKEN_TOP1 hits, above the worst measured) of top1_limit(K).
-    prompt_logprob: K positions drawn (with replacement) `draws` times per sample; the worst sample's share
-    below the limit (clean: a false failure) and at or above it (prompt from another sample: a miss)."""
+    run_head_top1: the measured top-1 rates, and for the run floor K the binomial false-fail (a clean run at
+    TOP1_CLEAN_MISS) and miss (a broken run at 10% top-1, and at the worst measured) of top1_limit(K).
+    head_logit_z / prompt_logit_z: K positions drawn (with replacement) `draws` times per sample; the worst
+    sample's share below the limit (clean: a false failure) and at or above it (broken: a miss)."""
     import torch
 
     from eagle3data.core.models import resolve_model_path
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader
-    from eagle3data.hidden.verify_checks import (MIN_PROMPT_LOGPROB, OUT_FLOOR, PROMPT_FLOOR, TOP1_ALPHA,
-                                                 TOP1_CLEAN_MISS, binom_tail, load_head, top1_limit)
+    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, MIN_OUT_Z, MIN_PROMPT_Z, TOP1_ALPHA,
+                                                 TOP1_CLEAN_MISS, Z_OUT_FLOOR, Z_PROMPT_FLOOR, binom_tail, load_head,
+                                                 top1_limit, unique_starts)
 
     head = load_head(resolve_model_path(p.model.path), cfg)
     rd = HiddenReader(hidden_dir(p))
     fin = rd.states.index("post_norm") if "post_norm" in rd.states else rd.states.index("pre_norm")
     post_of = (lambda hs: hs[:, fin].float()) if rd.states[fin] == "post_norm" else (lambda hs: head.norm(hs[:, fin]))
     samples = list(rd)
+    shared = unique_starts({i: smp["input_ids"].tolist() for i, smp in enumerate(samples)})
 
     def figs(post, ids, at):
         if not at:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0)
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0)
         rows = torch.tensor(at, dtype=torch.long)
         logits = torch.nn.functional.linear(post[rows], head.lm_head)
         tgt = ids[rows + 1].long()
-        return (logits.argmax(1) != tgt).long(), torch.log_softmax(logits, -1).gather(1, tgt[:, None])[:, 0]
+        return ((logits.argmax(1) != tgt).long(), torch.log_softmax(logits, -1).gather(1, tgt[:, None])[:, 0],
+                head.logit_z(post[rows], tgt))
 
     got: dict[str, list] = {"clean_out": [], "clean_prompt": [], "shift_out": [], "swap_out": [], "other_prompt": []}
     for i, smp in enumerate(samples):
         ids, m = smp["input_ids"], smp["loss_mask"].tolist()
         n = len(m)
         out_at = [t for t in range(n - 1) if m[t + 1]]
-        prompt_at = [t for t in range(n - 1) if not m[t + 1]]
+        prompt_at = [t for t in range(shared[i], n - 1) if not m[t + 1]]  # after the prefix another shares
         post = post_of(smp["hidden_states"])
         got["clean_out"].append(figs(post, ids, out_at))
         got["clean_prompt"].append(figs(post, ids, prompt_at))
@@ -199,43 +264,53 @@ def power(p, cfg, draws: int = 20000) -> dict:
         got["other_prompt"].append(figs(mixed, ids, [t for t in prompt_at if t < k]))
     rates = {}
     for name, parts in got.items():
-        miss = torch.cat([a for a, _ in parts])
-        rates[name] = {"positions": len(miss), "top1": round(1 - float(miss.float().mean()), 4)}
+        miss = torch.cat([a for a, _, _ in parts])
+        z = torch.cat([c for _, _, c in parts])
+        per = [float(c.mean()) for _, _, c in parts if len(c)]
+        rates[name] = {"positions": len(miss), "top1": round(1 - float(miss.float().mean()), 4),
+                       "logprob_median": round(float(torch.cat([b for _, b, _ in parts]).median()), 3),
+                       "z_quantiles_1_5_50_95": [round(float(torch.quantile(z, q)), 2) for q in (0.01, 0.05, 0.5, 0.95)],
+                       "z_mean_per_sample": [min(per), max(per)] if per else None}
     broken = 0.10
     measured_broken = max(rates["shift_out"]["top1"], rates["swap_out"]["top1"])
-    lim = top1_limit(OUT_FLOOR)
+    lim = top1_limit(EXACT_RUN_FLOOR)
     g = torch.Generator().manual_seed(0)
 
-    def worst(parts, below: bool, k: int = PROMPT_FLOOR) -> float:
+    def worst(parts, limit: float, below: bool, k: int) -> float:
         out = 0.0
-        for _, lp in parts:
-            if len(lp) == 0:
+        for _, _, z in parts:
+            if len(z) == 0:
                 continue
-            mean = lp[torch.randint(len(lp), (draws, k), generator=g)].mean(1)
-            out = max(out, float(((mean < MIN_PROMPT_LOGPROB) if below else (mean >= MIN_PROMPT_LOGPROB)).float().mean()))
+            mean = z[torch.randint(len(z), (draws, k), generator=g)].mean(1)
+            out = max(out, float(((mean < limit) if below else (mean >= limit)).float().mean()))
         return out
 
-    return {"rates": rates, "head_top1": {
-        "K": OUT_FLOOR, "fail_at_misses": lim, "clean_miss_rate_assumed": TOP1_CLEAN_MISS,
+    def z_power(clean, broken_parts, limit, floor):
+        return {"K": floor, "limit": limit, "draws_per_sample": draws,
+                "worst_clean_false_fail": worst(clean, limit, True, floor),
+                "worst_broken_miss": max(worst(b, limit, False, floor) for b in broken_parts),
+                "by_K": {k: {"worst_clean_false_fail": worst(clean, limit, True, k),
+                             "worst_broken_miss": max(worst(b, limit, False, k) for b in broken_parts)}
+                         for k in (4, 8, 16, 32, 64)}}
+
+    return {"rates": rates, "run_head_top1": {
+        "K": EXACT_RUN_FLOOR, "fail_at_misses": lim, "clean_miss_rate_assumed": TOP1_CLEAN_MISS,
         "broken_top1_assumed": broken, "broken_top1_measured_worst": measured_broken,
-        "false_fail": float(f"{binom_tail(OUT_FLOOR, TOP1_CLEAN_MISS, lim):.3g}"), "alpha": TOP1_ALPHA,
-        "miss": float(f"{1 - binom_tail(OUT_FLOOR, 1 - broken, lim):.3g}"),
+        "false_fail": float(f"{binom_tail(EXACT_RUN_FLOOR, TOP1_CLEAN_MISS, lim):.3g}"), "alpha": TOP1_ALPHA,
+        "miss": float(f"{1 - binom_tail(EXACT_RUN_FLOOR, 1 - broken, lim):.3g}"),
+        "miss_at_measured_broken": float(f"{1 - binom_tail(EXACT_RUN_FLOOR, 1 - measured_broken, lim):.3g}"),
         "by_K": {k: {"fail_at_misses": top1_limit(k),
                      "false_fail": float(f"{binom_tail(k, TOP1_CLEAN_MISS, top1_limit(k)):.3g}"),
                      "miss": float(f"{1 - binom_tail(k, 1 - broken, top1_limit(k)):.3g}")} for k in (4, 8, 16, 32)}},
-        "prompt_logprob": {"K": PROMPT_FLOOR, "limit": MIN_PROMPT_LOGPROB, "draws_per_sample": draws,
-                           "worst_clean_false_fail": worst(got["clean_prompt"], True),
-                           "worst_broken_miss": worst(got["other_prompt"], False),
-                           "by_K": {k: {"worst_clean_false_fail": worst(got["clean_prompt"], True, k),
-                                        "worst_broken_miss": worst(got["other_prompt"], False, k)}
-                                    for k in (16, 32)}}}
+        "head_logit_z": z_power(got["clean_out"], (got["shift_out"], got["swap_out"]), MIN_OUT_Z, Z_OUT_FLOOR),
+        "prompt_logit_z": z_power(got["clean_prompt"], (got["other_prompt"],), MIN_PROMPT_Z, Z_PROMPT_FLOOR)}
 
 
-def _break_even(read_tok: float, figures_tok: float, head_pos: float, positions: int) -> int | None:
-    """Tokens per sample from which `positions` head positions per sample keep verify at >= 0.5x plain reading
-    (None: the per-token figures alone cost more than twice the reading)."""
+def _break_even(read_tok: float, figures_tok: float, floors_s: float) -> int | None:
+    """Tokens per sample from which the floors' head work (`floors_s` seconds per sample) keeps verify at >= 0.5x
+    plain reading (None: the per-token figures alone cost more than twice the reading)."""
     spare = 2 * read_tok - figures_tok
-    return None if spare <= 0 else int(positions * head_pos / spare) + 1
+    return None if spare <= 0 else int(floors_s / spare) + 1
 
 
 if __name__ == "__main__":

@@ -95,6 +95,9 @@ SPEC: list[Figure] = [
     Figure("verify.speed", "04 verify-hidden without recompute, head on CPU, default positions (`bench_verify.py`)",
            "verify.json", "speed_vs_plain_read", "plain `HiddenReader` read of the same store, states to float32",
            0.5, rounds="speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.streaming", "04 verify-hidden: the streamed pass alone, without the once-per-verify setup "
+           "(`bench_verify.py`)", "verify.json", "streaming_vs_plain_read",
+           "the same read less opening the reader", None, load="load_average_at_start.0"),
     Figure("verify.recompute", "04 verify-hidden --recompute all: cost per recomputed sample (`bench_verify.py`)",
            "verify.json", "recompute_over_verify_per_sample", "verify-hidden without recompute, the whole store",
            None, better="lower", value="recompute_s_per_sample", value_unit="s per sample",

@@ -110,9 +110,10 @@ res.validation.table() if res.validation else None
 # %% [markdown]
 # ## 8. Verify: the stored states are the target's own
 # `verify_store` (what `python -m eagle3data verify-hidden RUN` runs; 04 runs it at its end when
-# `hidden.verify_after`): the target's head on the final state at sampled positions (top-1 and
-# log-prob of the record's next token), no NaN / flat rows / duplicate layers, the final state's
-# kind (pre- vs post-norm), the per-layer norm profile against the run's own samples, and
+# `hidden.verify_after`): the target's head on the final state (per sample, the record token's
+# logit z at sampled output and prompt positions; over the run, top-1 and log-prob through the
+# whole head), no NaN / flat rows / duplicate layers, the final state's kind (pre- vs post-norm),
+# the per-layer norm profile against the run's own samples, and
 # `hidden.verify_recompute` samples per shard run through the target again and compared
 # element-wise. 05 refuses a store that has not passed (unless `export.allow_unverified`).
 # Per-sample lines: `hidden/verify.jsonl`; counts and bounds: `hidden/verify_summary.json`.

@@ -185,9 +185,12 @@ def m_pre_as_post(hs, rows, mask):
 
 
 def m_prompt_from_other(hs, rows, mask):
+    """The whole prompt part from another request of the same dataset (longer, so it covers the prompt; they share
+    the 57-token system prompt, whose states are the same in both)."""
     a, n = rows[TARGET]
-    c, m = rows["b4_mixturethoughts/4001"]
-    k = min(_prompt_len(mask, a, n), m)
+    c, m = rows["b1_glaive/1603"]
+    k = _prompt_len(mask, a, n)
+    assert m >= k
     hs[a:a + k] = hs[c:c + k].clone()
 
 
@@ -195,13 +198,13 @@ _HEAD = None
 MUTATIONS = {
     "zeroed_rows": (m_zero, {TARGET}, "flat_rows"),
     "nan": (m_nan, {TARGET}, "finite"),
-    "shifted_one_position": (m_shift, {TARGET}, "head_top1"),
-    "same_length_samples_swapped": (m_swap_samples, {SAME_A, SAME_B}, "head_top1"),
+    "shifted_one_position": (m_shift, {TARGET}, "head_logit_z"),
+    "same_length_samples_swapped": (m_swap_samples, {SAME_A, SAME_B}, "head_logit_z"),
     "aux_layers_swapped": (m_swap_aux, {TARGET}, "norm_profile"),
     "aux_layer_stored_twice": (m_aux_twice, {TARGET}, "layer_duplicate"),
     "post_norm_said_pre_norm": (m_post_as_pre, {TARGET}, "final_kind"),
     "pre_norm_said_post_norm": (m_pre_as_post, {TARGET}, "final_kind"),
-    "prompt_from_another_sample": (m_prompt_from_other, {TARGET}, "prompt_logprob"),
+    "prompt_from_another_sample": (m_prompt_from_other, {TARGET}, "prompt_logit_z"),
 }
 
 
@@ -211,11 +214,14 @@ def test_the_clean_store_passes_every_check_with_recompute_all(clean, tmp_path):
     assert _failed(res) == {} and res.ok, _failed(res)
     s = res.summary
     assert s["samples"] == 8 and s["recomputed"] == 8 and s["norm_profile"] == "judged"
-    assert s["checks"]["recompute"]["applicable"] == 8 and s["checks"]["head_top1"]["applicable"] == 8
+    assert s["checks"]["recompute"]["applicable"] == 8 and s["checks"]["run_head_top1"]["applicable"] == 1
+    # the cut twin and its source share their whole prompt: no prompt position tells them apart
+    assert s["checks"]["head_logit_z"]["applicable"] == 8 and s["checks"]["prompt_logit_z"]["applicable"] == 6
     assert s["checks"]["finite"]["upper95"] == pytest.approx(3 / 8)  # rule of three, as 03 states it
     lines = [orjson.loads(x) for x in (hidden_dir(p) / "verify.jsonl").read_bytes().splitlines()]
     assert [x["key"] for x in lines] == HiddenReader(hidden_dir(p)).keys() and all(x["failed"] == [] for x in lines)
-    assert all(x["out_top1"] >= 0.85 for x in lines)
+    assert s["head"]["exact_positions"] >= 8 and s["head"]["pooled_greedy_top1"] >= 0.85
+    assert all(x["out_z_mean"] >= 4.5 for x in lines)
     info = orjson.loads((hidden_dir(p) / "index.json").read_bytes())
     assert info["verification"]["ok"] is True and info["verification"]["samples"] == 8
 
@@ -236,6 +242,23 @@ def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
         assert set(failed[k]) - {"recompute"}, failed  # ... without the recompute
         assert "recompute" in failed[k], failed  # and by the recompute
     assert not res.ok
+
+
+def test_a_store_whose_final_states_are_all_wrong_fails_the_pooled_head(clean, tmp_path):
+    """Every sample shifted by one position (a store off by one throughout): each sample fails its logit z, and the
+    run fails the pooled exact head (top-1 and log-prob), which no single sample has enough positions for."""
+    p = _copy(clean, tmp_path)
+
+    def shift_all(hs, rows, mask):
+        for a, n in rows.values():
+            hs[a:a + n] = torch.roll(hs[a:a + n].clone(), -1, dims=0)
+
+    _mutate(p, shift_all)
+    res = _verify(p)
+    assert all("head_logit_z" in f for f in _failed(res).values()) and len(_failed(res)) == 8
+    assert {x["check"] for x in res.store_problems} == {"head_top1", "head_logprob"}
+    assert res.summary["checks"]["run_head_top1"]["failed"] == 1 and not res.ok
+    assert "head_top1: the run's greedy records" in res.failed_table().to_string()
 
 
 @pytest.mark.parametrize("layout,final_state", [("specforge", "post_norm"), ("speculators", "pre_norm")])
@@ -311,18 +334,57 @@ def test_the_fused_figures_equal_the_element_wise_ones():
 
 
 def test_head_positions_have_floors_a_budget_and_a_cap():
-    from eagle3data.hidden.verify_checks import (HEAD_FLOPS_PER_BYTE, OUT_FLOOR, PROMPT_FLOOR, binom_tail,
-                                                 head_counts, top1_limit, TOP1_ALPHA, TOP1_CLEAN_MISS)
+    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, Z_OUT_FLOOR, Z_PROMPT_FLOOR,
+                                                 binom_tail, exact_plan, head_counts, top1_limit, TOP1_ALPHA,
+                                                 TOP1_CLEAN_MISS)
 
-    per = 2.0 * 49152 * 576
-    assert head_counts(1000 * 5765, per, 64) == (OUT_FLOOR, PROMPT_FLOOR)  # a short sample: the floors
-    long_bytes = int(40 * per / HEAD_FLOPS_PER_BYTE)
-    assert head_counts(long_bytes, per, 64) == (40, PROMPT_FLOOR)  # long: the budget buys more
-    assert head_counts(10 ** 12, per, 64) == (64, 64) and head_counts(10 ** 12, per, 8) == (8, 8)  # the cap
-    assert head_counts(5765, per, 0) == (0, 0)  # 0: every position
-    for k in (8, 16, 64):  # the top-1 limit: a clean sample reaches it with probability <= alpha, one fewer does not
+    hidden, vocab, tok = 576, 49152, 5760
+    assert head_counts(100 * tok, hidden, 64) == (Z_OUT_FLOOR, Z_PROMPT_FLOOR)  # short: the floors
+    z_bytes = int(48 * 2 * hidden * hidden / HEAD_FLOPS_PER_BYTE) + 1  # buys 48 z positions
+    assert head_counts(z_bytes, hidden, 64) == (max(48, Z_OUT_FLOOR), max(48, Z_PROMPT_FLOOR))
+    assert head_counts(10 ** 12, hidden, 8) == (8, 8) and head_counts(tok, hidden, 0) == (0, 0)  # the cap; 0 = all
+    # exact positions, planned over the run: the run floor shared by length, then the budget, each at most its room
+    short = exact_plan([100] * 4, [50] * 4, tok, hidden, vocab, 64)
+    assert sum(short) == EXACT_RUN_FLOOR and short == [2, 2, 2, 2]
+    assert exact_plan([300, 100], [200, 1], tok, hidden, vocab, 64) == [EXACT_RUN_FLOOR - 1, 1]  # no room: the rest
+    per = 2 * hidden * vocab / (HEAD_FLOPS_PER_BYTE * tok)  # tokens that buy one exact position
+    long = exact_plan([int(30 * per), int(10 * per)], [1000, 1000], tok, hidden, vocab, 64)  # 39.99: 39 to share
+    assert long == [29, 10]  # 29.25 and 9.75 by length; the one left goes to the larger remainder
+    assert exact_plan([10 ** 6], [10 ** 6], tok, hidden, vocab, 8) == [8]  # the cap
+    assert exact_plan([100, 100], [40, 7], tok, hidden, vocab, 0) == [40, 7]  # 0: every output position
+    assert exact_plan([100], [0], tok, hidden, vocab, 64) == [0]
+    for k in (4, 8, 16, 64):  # the top-1 limit: a clean sample reaches it with probability <= alpha, one fewer does not
         m = top1_limit(k)
         assert binom_tail(k, TOP1_CLEAN_MISS, m) <= TOP1_ALPHA < binom_tail(k, TOP1_CLEAN_MISS, m - 1)
+
+
+def test_prompt_positions_start_after_the_prefix_another_sample_shares():
+    """A system prompt, a template or the earlier turns shared with another sample give the same states in both:
+    the prompt check draws after the longest prefix any other sample shares (a whole-prefix turn: none)."""
+    from eagle3data.hidden.verify_checks import unique_starts
+
+    sys_prompt = [1, 2, 3, 4]
+    got = unique_starts({"a": sys_prompt + [9, 9, 9], "b": sys_prompt + [7, 7], "c": [5, 6, 7],
+                         "turn0": [8, 8, 8, 1], "turn1": [8, 8, 8, 1, 2, 2]})
+    assert got == {"a": 4, "b": 4, "c": 0, "turn0": 4, "turn1": 4}
+
+
+def test_the_logit_z_is_the_one_the_whole_head_gives(clean):
+    """Head.logit_z (2 x hidden^2 FLOPs) equals (logit - mean) / std over the vocabulary of the full logits (2 x
+    hidden x vocab), and Cantelli's bound on the share of the vocabulary at or above the target holds."""
+    head = load_head(resolve_model_path(clean.model.path), load_config(clean))
+    smp = next(iter(HiddenReader(hidden_dir(clean))))
+    post = smp["hidden_states"][:, -1].float()  # the fixture store ends with post_norm
+    tgt = smp["input_ids"][1:].long()
+    post = torch.cat([post[:-1], torch.randn(8, post.shape[1]) * 3])  # and states the model never made
+    tgt = torch.cat([tgt, torch.randint(0, head.lm_head.shape[0], (8,))])
+    logits = (post.double() @ head.lm_head.double().T)
+    want = (logits.gather(1, tgt[:, None])[:, 0] - logits.mean(1)) / logits.std(1, unbiased=False)
+    got = head.logit_z(post, tgt)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    at_or_above = (logits >= logits.gather(1, tgt[:, None])).double().mean(1)
+    pos = got > 0
+    assert bool((at_or_above[pos] <= 1 / (1 + got[pos].double() ** 2) + 1e-9).all())
 
 
 def test_merge_only_keeps_the_verification_of_the_same_store_and_drops_it_otherwise(clean, tmp_path, capsys):

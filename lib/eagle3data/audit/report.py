@@ -75,8 +75,10 @@ def verification_html(summary: dict[str, Any] | None) -> str:
     if summary is None:
         return ""
     s = summary
+    run_failed = [p["check"] for p in s.get("store_problems") or []]
     title = (f"No stored sample failed verification ({s['samples']} samples, {s['tokens']:,} tokens)" if s["ok"]
-             else f"{s['failed_samples']} of {s['samples']} stored samples failed verification")
+             else f"{s['failed_samples']} of {s['samples']} stored samples failed verification"
+             + (f"; the run failed {', '.join(run_failed)}" if run_failed else ""))
     rows = []
     for name, c in s["checks"].items():
         bound = upper95_text(c)
@@ -86,9 +88,11 @@ def verification_html(summary: dict[str, Any] | None) -> str:
     table = ('<table class="verify-table" border="0"><thead><tr><th>check</th><th>applicable</th><th>failed</th>'
              "<th>upper95</th><th>what it proves</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
     head = s.get("head") or {}
-    at = (f"{head['out_mean']:g} output + {head['prompt_mean']:g} prompt positions per sample (at most "
-          f"{s['positions']})" if head else f"{s['positions']} output and prompt positions per sample")
-    note = (f"Head at {at}; {s['recomputed']} sample(s) "
+    at = (f"logit z at {head['out_mean']:g} output + {head['prompt_mean']:g} prompt positions per sample (at most "
+          f"{s['positions']}), the whole head at {head.get('exact_positions', 0)} output positions over the run"
+          + (f" (greedy top-1 {head['pooled_greedy_top1']:.1%})" if head.get("pooled_greedy_top1") is not None else "")
+          if head else f"{s['positions']} output and prompt positions per sample")
+    note = (f"Head: {at}; {s['recomputed']} sample(s) "
             f"recomputed through the target; norm profile {s['norm_profile']}; states {', '.join(s['states'])} "
             f"({s['dtype']}, layout {s['layout']}). upper95: 95% upper bound on the failure rate (rule of three "
             "at zero failures).")

@@ -29,16 +29,17 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
-from eagle3data.hidden.verify_checks import (CHECKS, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError, compare_states,
-                                             head_counts, judge, load_head, profile_stats, recompute_failed,
-                                             sample_figures)
+from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError,
+                                             compare_states, exact_plan, head_counts, judge, load_head, profile_stats,
+                                             recompute_failed, run_head_problems, sample_figures, top1_limit,
+                                             unique_starts)
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
 RECOMPUTE_GROUP = 256  # per-sample layouts: "a shard" for the default recompute is this many samples
 DEFAULT_RECOMPUTE = 2  # samples recomputed per shard by default
-DEFAULT_POSITIONS = 64  # the most head positions per sample (output and prompt each) by default; floors and budget
-# in verify_checks (OUT_FLOOR, PROMPT_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below that
+DEFAULT_POSITIONS = 64  # the most head positions per sample (exact, output z, prompt z each) by default; floors and
+# budget in verify_checks (EXACT_FLOOR, Z_OUT_FLOOR, Z_PROMPT_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below that
 
 # A recompute backend: what `extract.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
 # store's order and dtype, and `close()`. `verify_store` takes a factory of one, called only when a sample is picked.
@@ -97,8 +98,9 @@ class VerifyResult:
         failed = {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}
         return (f"verify-hidden: {s['samples']} samples, {s['failed_samples']} failed"
                 + (f" ({', '.join(f'{k} {v}' for k, v in failed.items())})" if failed else "")
-                + f"; recomputed {s['recomputed']}; head at {s['head']['out_mean']:g} output + "
-                  f"{s['head']['prompt_mean']:g} prompt positions per sample (at most {s['positions']})"
+                + f"; recomputed {s['recomputed']}; head at {s['head']['exact_mean']:g} output positions, logit z at "
+                  f"{s['head']['out_mean']:g} output + {s['head']['prompt_mean']:g} prompt per sample "
+                  f"(at most {s['positions']})"
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
@@ -133,7 +135,9 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     view = read_run(params.run_dir, datasets, verdicts=False)
     sources = view.samples(datasets)
     greedy = _greedy_keys(view, datasets)
+    shared = unique_starts({k: s.input_ids for k, s in sources.items()})
     head = load_head(resolve_model_path(params.model.path), config)
+    head.moments()  # the vocabulary's logit moments, once (a hidden^2 x vocab GEMM), before the pass
     picks = recompute_picks(reader, recompute)
     redo = None
     if picks:
@@ -143,10 +147,13 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     rows: list[dict[str, Any]] = []
     store_problems: list[dict[str, Any]] = []
     recompute_s = 0.0
-    setup_s = time.perf_counter() - t0  # the records, the mix, the head's tensors: once per pass
+    setup_s = time.perf_counter() - t0  # the records, the mix, the head's tensors and moments: once
     batch = HeadBatch(head)
     token_bytes = stored_bytes_per_token(info)
-    per_position = 2.0 * float(head.lm_head.shape[0]) * float(head.lm_head.shape[1])  # FLOPs of one head position
+    vocab, hidden = (int(d) for d in head.lm_head.shape)
+    ix = reader.index
+    outputs = ix["loss_tokens"].tolist() if "loss_tokens" in ix else ix["length"].tolist()
+    exact = dict(zip(reader.keys(), exact_plan(ix["length"].tolist(), outputs, token_bytes, hidden, vocab, positions)))
     shape = (len(names), info["hidden_size"])
     try:
         for i, smp in enumerate(reader):
@@ -158,8 +165,10 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
             probs = sample_problems(smp, sources.get(skey), shape, dtype, finite=False)
             row["store"] = [c for c, _ in probs]
             if "shape" not in row["store"]:
-                k = head_counts(n * token_bytes, per_position, positions)
-                row.update(sample_figures(key, hs, smp["input_ids"], smp["loss_mask"], names, head, k, batch, i))
+                k = (exact[key], *head_counts(n * token_bytes, hidden, positions))
+                row["shared_prefix"] = shared.get(skey, 0)
+                row.update(sample_figures(key, hs, smp["input_ids"], smp["loss_mask"], names, head, k, batch, i,
+                                          prompt_from=row["shared_prefix"]))
                 row["_tag"] = i
                 if key in picks:
                     t1 = time.perf_counter()
@@ -180,6 +189,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
                                "detail": f"{len(rows)} stored samples, {len(mix.samples)} in the mix: the index "
                                          "must hold exactly the mix's keys in mix order"})
     rows.sort(key=lambda r: r["position"])  # the reader goes shard by shard; the lines follow the mix order
+    store_problems += run_head_problems(rows)
     judged = [r for r in rows if "log_rms" in r]
     stats = profile_stats(judged)
     with_profile = len(judged) >= MIN_PROFILE_SAMPLES
@@ -214,9 +224,12 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
     n = len(rows)
     judged = sum(1 for r in rows if "log_rms" in r)
     applicable = {c: n for c in ("shape", "ids", "mask", "mask_length", "source")}
-    applicable |= {c: judged for c in ("finite", "flat_rows", "layer_duplicate", "final_kind", "head_logprob",
-                                       "prompt_logprob")}
-    applicable["head_top1"] = sum(1 for r in rows if r.get("greedy") and r.get("out_positions"))
+    applicable |= {c: judged for c in ("finite", "flat_rows", "layer_duplicate", "final_kind")}
+    applicable["head_logprob"] = sum(1 for r in rows if (r.get("out_exact_positions") or 0) >= EXACT_PER_SAMPLE)
+    applicable["head_logit_z"] = sum(1 for r in rows if r.get("out_positions"))
+    applicable["prompt_logit_z"] = sum(1 for r in rows if r.get("prompt_positions"))
+    applicable["head_top1"] = sum(1 for r in rows if r.get("greedy") and r.get("out_exact_positions")
+                                  and top1_limit(r["out_exact_positions"]) <= r["out_exact_positions"])
     applicable["norm_profile"] = judged if with_profile else 0
     applicable["recompute"] = sum(1 for r in rows if "recompute" in r)
     checks = {}
@@ -225,7 +238,12 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
         f = sum(1 for r in rows if c in r["failed"])
         checks[c] = {"applicable": a, "failed": f, "upper95": None if a == 0 else round(upper95(f, a), 6),
                      "what": what}
-    checks["coverage"] = {"applicable": 1, "failed": len(store_problems), "upper95": None,
+    for c, what in (("run_head_top1", "the run's greedy records: top-1 at the exact output positions, pooled"),
+                    ("run_head_logprob", "the run's records: mean log-prob of the next output token, pooled")):
+        checks[c] = {"applicable": int(bool(_head_use(rows)["exact_positions"])), "upper95": None, "what": what,
+                     "failed": sum(1 for p in store_problems if p["check"] == c[len("run_"):])}
+    checks["coverage"] = {"applicable": 1, "failed": sum(1 for p in store_problems if p["check"] == "coverage"),
+                          "upper95": None,
                           "what": "the index holds exactly the mix's keys in mix order"}
     failed_samples = sum(1 for r in rows if r["failed"])
     return {"ok": failed_samples == 0 and not store_problems, "samples": n, "failed_samples": failed_samples,
@@ -238,12 +256,17 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
 
 
 def _head_use(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """How many head positions the pass used: in all, and per sample (output, prompt)."""
-    out = [r.get("out_positions", 0) for r in rows if "log_rms" in r]
-    prompt = [r.get("prompt_positions", 0) for r in rows if "log_rms" in r]
-    k = max(len(out), 1)
-    return {"positions": sum(out) + sum(prompt), "out_mean": round(sum(out) / k, 1),
-            "prompt_mean": round(sum(prompt) / k, 1)}
+    """How many head positions the pass used: in all, and per sample (exact output, z output, z prompt)."""
+    got = [r for r in rows if "log_rms" in r]
+    k = max(len(got), 1)
+    exact, out, prompt = ([r.get(f, 0) for r in got] for f in ("out_exact_positions", "out_positions", "prompt_positions"))
+    greedy = [r for r in got if r.get("greedy") and r.get("out_exact_positions")]
+    gk = sum(r["out_exact_positions"] for r in greedy)
+    lp = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in got if r.get("out_exact_positions"))
+    return {"positions": sum(out) + sum(prompt), "exact_positions": sum(exact), "exact_mean": round(sum(exact) / k, 1),
+            "out_mean": round(sum(out) / k, 1), "prompt_mean": round(sum(prompt) / k, 1),
+            "pooled_greedy_top1": round(1 - sum(r["out_misses"] for r in greedy) / gk, 4) if gk else None,
+            "pooled_logprob_mean": round(lp / sum(exact), 4) if sum(exact) else None}
 
 
 def _write(path: Path, data: bytes) -> None:

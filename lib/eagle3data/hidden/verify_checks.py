@@ -13,14 +13,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import orjson
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.models import cache_dir
 from eagle3data.hidden.norms import known_norm_kind
 
 # Limits measured on clean stores (docs/04 "Verify" gives the figures they come from).
@@ -28,15 +30,26 @@ from eagle3data.hidden.norms import known_norm_kind
 # sample gives with probability TOP1_ALPHA, for a clean miss rate of TOP1_CLEAN_MISS (above the worst measured).
 TOP1_CLEAN_MISS = 0.03
 TOP1_ALPHA = 1e-6
-# Head positions per sample (docs/04 "Head positions"): at least OUT_FLOOR output and PROMPT_FLOOR prompt positions
-# (the power the mutation tests need, from the measured clean and broken rates), more when the sample is long
-# enough that HEAD_FLOPS_PER_BYTE x its stored bytes buys more, at most the `positions` cap.
-OUT_FLOOR = 16
-PROMPT_FLOOR = 64
-HEAD_FLOPS_PER_BYTE = 20.0
+# Head positions (docs/04 "Head positions"): per sample at least Z_OUT_FLOOR output and Z_PROMPT_FLOOR prompt positions
+# scored by the logit z (`Head.logit_z`), more when HEAD_FLOPS_PER_BYTE x the sample's stored bytes buys more, at most
+# the `positions` cap; over the run the same budget buys output positions through the whole head (top-1, log-prob;
+# at least EXACT_RUN_FLOOR, `exact_plan`), judged pooled over the run (`run_head_problems`) and per sample from
+# EXACT_PER_SAMPLE of them (head_logprob; head_top1 from the fewest that can fail, `top1_limit`).
+EXACT_RUN_FLOOR = 8
+EXACT_PER_SAMPLE = 16
+Z_OUT_FLOOR = 32
+Z_PROMPT_FLOOR = 64
+HEAD_FLOPS_PER_BYTE = 10.0
 HEAD_BATCH = 512  # positions per head GEMM, across samples
-MIN_OUT_LOGPROB = -4.0  # median log-prob of the record's next output token
-MIN_PROMPT_LOGPROB = -7.0  # mean log-prob of the record's next prompt token
+MIN_OUT_LOGPROB = -4.0  # median log-prob of the record's next output token (exact positions)
+# Logit z limits (mean over the sample's z positions), measured on the nbval fixture store (docs/04 "Head positions"):
+# clean greedy output 5.09 at worst, shifted or swapped 4.10 at best (K = 32); clean prompt 4.80, a prompt from
+# another sample 4.36 (K = 64, the positions after the prefix the sample shares with another). For sampled
+# records the output limit is MIN_SAMPLED_OUT_Z: their next token is not the head's choice, so only the run judges.
+MIN_OUT_Z = 4.5
+MIN_PROMPT_Z = 4.5
+MIN_SAMPLED_OUT_Z = 2.0
+Z_SPREAD_FLOOR = 0.5  # the least run spread (1.4826 MAD) a mean z is compared with
 UNIT_RMS_TOL = 0.02  # a post-norm row: |rms(state / norm weight) - 1| below this
 MIN_UNIT_SHARE_POST = 0.9  # share of rows that look post-norm in a state said to be post-norm
 MAX_UNIT_SHARE_PRE = 0.1  # ... in a state said to be pre-norm
@@ -55,9 +68,10 @@ CHECKS = {
     "flat_rows": "no all-zero or constant row (one token's state of one layer)",
     "layer_duplicate": "no two stored layers equal element for element",
     "final_kind": "the final state is the kind the store says (post-norm: rms(state / norm weight) = 1)",
-    "head_top1": "greedy records: the head's top-1 is the record's next token at the sampled output positions",
+    "head_top1": "greedy records: the head's top-1 is the record's next token at the exact output positions",
     "head_logprob": "the record's next output token is likely under the head (median log-prob; vs the run)",
-    "prompt_logprob": "the record's next prompt token is likely under the head (mean log-prob; vs the run)",
+    "head_logit_z": "the record's next output token's logit stands out of the vocabulary's (mean z; vs the run)",
+    "prompt_logit_z": "the record's next prompt token's logit stands out of the vocabulary's (mean z; vs the run)",
     "norm_profile": "per-layer RMS and first-token RMS within the run's own spread (median/MAD)",
     "shape": "states [n, S, hidden] in the store's dtype",
     "ids": "stored input_ids equal the source record's",
@@ -102,6 +116,8 @@ class Head:
     lm_head: Any
     eps: float
     tensors: tuple[str, ...]
+    origin: str = ""  # the head tensor's file, size and mtime: names its moments in the cache
+    _moments: Any = field(default=None, repr=False)
 
     def norm(self, x: Any) -> Any:
         """The final RMSNorm of pre-norm states `[..., hidden]` (float32)."""
@@ -115,6 +131,51 @@ class Head:
         import torch
 
         return torch.log_softmax(post.float() @ self.lm_head.T, dim=-1)
+
+    def moments(self) -> tuple[Any, Any]:
+        """(mean row `[hidden]`, a factor F `[hidden, hidden]` of the rows' covariance, F F^T = cov): for any state x
+        the vocabulary's mean logit is x . mean and the variance of its logits is |x F|^2, exactly. Computed once per
+        checkpoint (float64 sums of a hidden^2 x vocab GEMM, then eigh) and kept in the model cache (`moments_path`)."""
+        if self._moments is None:
+            from safetensors.torch import load_file, save_file
+
+            path = moments_path(self.origin) if self.origin else None
+            if path is not None and path.exists():
+                got = load_file(str(path))
+                self._moments = (got["mean"], got["factor"])
+            else:
+                self._moments = self._compute_moments()
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    save_file({"mean": self._moments[0], "factor": self._moments[1]}, str(tmp))
+                    os.replace(tmp, path)
+        return self._moments
+
+    def _compute_moments(self) -> tuple[Any, Any]:
+        import torch
+
+        w = self.lm_head
+        mean = w.sum(0, dtype=torch.float64) / w.shape[0]
+        cov = torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64)
+        m32 = mean.float()
+        for a in range(0, w.shape[0], 16384):  # centred in float32 chunks, summed in float64
+            c = w[a:a + 16384] - m32
+            cov += (c.T @ c).double()
+        cov /= w.shape[0]
+        vals, vecs = torch.linalg.eigh(cov)  # cov = V diag(vals) V^T, so x^T cov x = |x V sqrt(vals)|^2
+        return m32.contiguous(), (vecs * vals.clamp_min(0).sqrt()).float().contiguous()
+
+    def logit_z(self, post: Any, targets: Any) -> Any:
+        """Per row: (logit of the target - the vocabulary's mean logit) / the std of the vocabulary's logits, for
+        post-norm states `[k, hidden]`; 2 x hidden^2 FLOPs per row instead of the whole head's 2 x hidden x vocab.
+        By Cantelli's inequality at most a share 1 / (1 + z^2) of the vocabulary scores at least the target."""
+        import torch
+
+        mean, factor = self.moments()
+        x = post.float()
+        sd = torch.linalg.vector_norm(x @ factor, dim=-1).clamp_min(1e-30)
+        return ((x * self.lm_head[targets.long()]).sum(-1) - x @ mean) / sd
 
     def unit_rms(self, x: Any) -> Any:
         """rms(state / norm weight) per row over the channels whose weight is not ~0: 1 for a post-norm state."""
@@ -150,7 +211,14 @@ def load_head(model_dir: str | Path, config: Any) -> Head:
     weight = got[norm]
     if known_norm_kind(config) == "rms_1p":  # Gemma-style: the checkpoint stores w, the model multiplies by 1 + w
         weight = 1.0 + weight
-    return Head(weight, got[head], float(eps), (norm, head))
+    st = where[head].stat()
+    origin = f"{where[head].resolve()}|{head}|{st.st_size}|{st.st_mtime_ns}"
+    return Head(weight, got[head], float(eps), (norm, head), origin)
+
+
+def moments_path(origin: str) -> Path:
+    """Where a head's vocabulary moments are kept: the model cache, named by the head file's digest."""
+    return cache_dir() / "head_moments" / (hashlib.blake2b(origin.encode(), digest_size=12).hexdigest() + ".safetensors")
 
 
 # ---------------------------------------------------------------------------- per-sample figures
@@ -169,13 +237,60 @@ def positions(key: str, candidates: list[int], k: int, first: bool = False) -> l
     return sorted(random.Random(seed).sample(candidates, k))
 
 
-def head_counts(n_bytes: int, flops_per_position: float, cap: int) -> tuple[int, int]:
-    """(output, prompt) head positions for a sample of `n_bytes` stored: the floors, raised by the budget
-    (HEAD_FLOPS_PER_BYTE x the bytes read) up to `cap`; `cap` 0 = every position (returned as 0)."""
+def unique_starts(ids: dict[Any, Sequence[int]]) -> dict[Any, int]:
+    """Per sample: the length of the longest prefix of its ids that another sample shares (a system prompt, a
+    template, the earlier turns of a conversation). The states there are the other sample's too, so they cannot
+    tell the two apart: the prompt check draws its positions after it. Sorting the id strings puts the samples
+    sharing the longest prefix next to each other."""
+    import numpy as np
+
+    arrs = {k: np.asarray(v, dtype=">i4") for k, v in ids.items()}
+    order = sorted(arrs, key=lambda k: arrs[k].tobytes())
+
+    def common(a: Any, b: Any) -> int:
+        n = min(len(a), len(b))
+        d = np.flatnonzero(a[:n] != b[:n])
+        return int(d[0]) if len(d) else n
+
+    out = dict.fromkeys(arrs, 0)
+    for a, b in zip(order, order[1:]):
+        c = common(arrs[a], arrs[b])
+        out[a], out[b] = max(out[a], c), max(out[b], c)
+    return out
+
+
+def head_counts(n_bytes: int, hidden: int, cap: int) -> tuple[int, int]:
+    """(output z, prompt z) head positions for a sample of `n_bytes` stored: the floors, raised by the budget
+    (HEAD_FLOPS_PER_BYTE x the bytes read at 2 x hidden^2 FLOPs per position) up to `cap`; `cap` 0 = every position."""
     if cap <= 0:
         return 0, 0
-    budget = int(HEAD_FLOPS_PER_BYTE * n_bytes // max(flops_per_position, 1.0))
-    return (min(cap, max(OUT_FLOOR, budget)), min(cap, max(PROMPT_FLOOR, budget)))
+    z = int(HEAD_FLOPS_PER_BYTE * n_bytes // (2.0 * hidden * hidden))
+    return min(cap, max(Z_OUT_FLOOR, z)), min(cap, max(Z_PROMPT_FLOOR, z))
+
+
+def exact_plan(lengths: Sequence[int], outputs: Sequence[int], token_bytes: int, hidden: int, vocab: int,
+               cap: int) -> list[int]:
+    """Whole-head (exact) output positions per sample, planned over the run before the pass: HEAD_FLOPS_PER_BYTE x
+    the store's bytes at 2 x hidden x vocab FLOPs each, at least EXACT_RUN_FLOOR, shared in proportion to the
+    samples' lengths (largest remainders), at most `cap` and the sample's output positions each; `cap` 0 = all."""
+    room = [max(int(o), 0) if cap <= 0 else min(cap, max(int(o), 0)) for o in outputs]
+    if cap <= 0:
+        return room
+    total = int(HEAD_FLOPS_PER_BYTE * token_bytes * sum(lengths) // (2.0 * hidden * vocab))
+    total = min(max(EXACT_RUN_FLOOR, total), sum(room))
+    got = [0] * len(room)
+    while total > sum(got):  # a few rounds: what a full sample cannot take goes to the others by length
+        open_ = [i for i in range(len(room)) if got[i] < room[i]]
+        left, weight = total - sum(got), sum(lengths[i] for i in open_)
+        share = {i: left * lengths[i] / weight for i in open_}
+        for i in open_:
+            got[i] = min(room[i], got[i] + int(share[i]))
+        for i in sorted(open_, key=lambda i: (int(share[i]) - share[i], -lengths[i], i)):
+            if sum(got) >= total:
+                break
+            if got[i] < room[i]:
+                got[i] += 1
+    return got
 
 
 def stat_figures(hs: Any, names: Sequence[str]) -> tuple[dict[str, Any], Any]:
@@ -187,7 +302,7 @@ def stat_figures(hs: Any, names: Sequence[str]) -> tuple[dict[str, Any], Any]:
     """
     import torch
 
-    x = hs.float()
+    x = hs.float()  # then float32 reductions: 1.6x faster than reducing the stored bf16 on this CPU (docs/04)
     n, s, h = x.shape
     s1 = x.sum(-1)  # [n, S]
     nrm = torch.linalg.vector_norm(x, dim=-1)
@@ -200,38 +315,45 @@ def stat_figures(hs: Any, names: Sequence[str]) -> tuple[dict[str, Any], Any]:
             s1, nrm = x.sum(-1), torch.linalg.vector_norm(x, dim=-1)
     ms, mu = nrm.square() / h, s1 / h
     maybe_flat = (ms - mu.square()) <= 1e-4 * ms  # a constant row has (rounding-)zero variance; others do not
-    flat = x[maybe_flat]
-    out["flat_rows"] = int((flat.amax(-1) == flat.amin(-1)).sum()) if len(flat) else 0
-    tol = 1e-4 * (nrm * h ** 0.5)  # equal layers have equal sums up to the summation order's rounding
-    out["duplicate_layers"] = [[names[a], names[b]] for a in range(s) for b in range(a + 1, s)
-                               if bool(((s1[:, a] - s1[:, b]).abs() <= tol[:, a] + tol[:, b]).all())
-                               and bool(((nrm[:, a] - nrm[:, b]).abs() <= 1e-4 * (nrm[:, a] + nrm[:, b])).all())
-                               and torch.equal(hs[:, a], hs[:, b])]
+    out["flat_rows"] = 0
+    if bool(maybe_flat.any()):
+        flat = x[maybe_flat]
+        out["flat_rows"] = int((flat.amax(-1) == flat.amin(-1)).sum())
+    # equal layers have equal sums and norms up to the summation order's rounding: every pair at once, [S, S]
+    tol = 1e-4 * (nrm * h ** 0.5)
+    same = (((s1[:, :, None] - s1[:, None, :]).abs() <= tol[:, :, None] + tol[:, None, :])
+            & ((nrm[:, :, None] - nrm[:, None, :]).abs() <= 1e-4 * (nrm[:, :, None] + nrm[:, None, :]))).all(0)
+    pairs = torch.triu(same, diagonal=1).nonzero().tolist()
+    out["duplicate_layers"] = [[names[a], names[b]] for a, b in pairs if torch.equal(hs[:, a], hs[:, b])]
     rms = nrm / h ** 0.5
     rest = rms[1:] if n > 1 else rms
-    med = rest.median(0).values.clamp_min(1e-30)
-    out["log_rms"] = {names[i]: round(math.log(float(med[i])), 4) for i in range(s)}
-    out["row0"] = {names[i]: round(math.log(max(float(rms[0, i]), 1e-30) / float(med[i])), 4) for i in range(s)}
+    med = rest.median(0).values.clamp_min(1e-30).tolist()
+    first = rms[0].clamp_min(1e-30).tolist()
+    out["log_rms"] = {names[i]: round(math.log(med[i]), 4) for i in range(s)}
+    out["row0"] = {names[i]: round(math.log(first[i] / med[i]), 4) for i in range(s)}
     return out, x
 
 
 class HeadBatch:
-    """The target's head over many samples' positions at once: one GEMM per `size` positions, then per position
-    the record token's log-prob (log-softmax over the whole vocabulary) and whether it is the top-1."""
+    """The target's head over many samples' positions at once: at every queued position the record token's logit z
+    (`Head.logit_z`, one GEMM by the covariance factor); at the positions queued as exact also the whole head (one
+    GEMM per `size` of them): the record token's log-prob (log-softmax over the vocabulary) and whether it is top-1."""
 
     def __init__(self, head: Head, size: int = HEAD_BATCH):
         self.head, self.size = head, size
-        self.pending: list[tuple[Any, Any, Any]] = []
-        self.queued = 0
+        self.pending: list[tuple[Any, Any, Any, int]] = []
+        self.queued = self.queued_exact = 0
         self.got: dict[Any, dict[str, Any]] = {}
-        self.positions = 0
-        self.seconds = 0.0  # in the GEMMs and the log-softmax
+        self.positions = self.exact_positions = 0
+        self.seconds = 0.0  # in the GEMMs, the log-softmax and the z's
 
-    def add(self, tag: Any, post: Any, targets: Any) -> None:
-        """Queue post-norm states `[k, hidden]` whose next tokens are `targets` `[k]`, under `tag`."""
-        self.pending.append((tag, post, targets))
+    def add(self, tag: Any, post: Any, targets: Any, exact: int = 0) -> None:
+        """Queue post-norm states `[k, hidden]` whose next tokens are `targets` `[k]`, under `tag`; the first `exact`
+        of them also go through the whole head."""
+        self.pending.append((tag, post, targets, min(exact, len(targets))))
         self.queued += len(targets)
-        if self.queued >= self.size:
+        self.queued_exact += min(exact, len(targets))
+        if self.queued_exact >= self.size or self.queued >= 16 * self.size:
             self.flush()
 
     def flush(self) -> None:
@@ -240,47 +362,68 @@ class HeadBatch:
         if not self.pending:
             return
         t0 = time.perf_counter()
-        x = torch.cat([p for _, p, _ in self.pending])
-        tgt = torch.cat([t for _, _, t in self.pending]).long()
-        logits = torch.nn.functional.linear(x, self.head.lm_head)
-        best = logits.argmax(1)
-        tl = logits.gather(1, tgt[:, None])[:, 0]
-        lp = torch.log_softmax(logits, dim=-1).gather(1, tgt[:, None])[:, 0]  # the fused kernel; logsumexp is slower
-        miss = best != tgt
-        rank = torch.zeros_like(tgt)
-        if bool(miss.any()):
-            rank[miss] = (logits[miss] > tl[miss, None]).sum(1)  # a tie with the target's logit counts as a hit
-        at = 0
-        for tag, _, t in self.pending:  # one entry per (sample, output|prompt): its figures, final once flushed
-            k = len(t)
-            self.got[tag] = _position_figures(rank[at:at + k], lp[at:at + k])
-            at += k
+        x = torch.cat([p for _, p, _, _ in self.pending])
+        tgt = torch.cat([t for _, _, t, _ in self.pending]).long()
+        z = self.head.logit_z(x, tgt)
+        starts, at = [], 0
+        for _, _, t, _ in self.pending:
+            starts.append(at)
+            at += len(t)
+        ex = [a + j for a, (_, _, _, e) in zip(starts, self.pending) for j in range(e)]
+        rank = lp = None
+        if ex:
+            rows = torch.tensor(ex, dtype=torch.long)
+            logits = torch.nn.functional.linear(x[rows], self.head.lm_head)
+            et = tgt[rows]
+            best = logits.argmax(1)
+            tl = logits.gather(1, et[:, None])[:, 0]
+            lp = torch.log_softmax(logits, dim=-1).gather(1, et[:, None])[:, 0]  # the fused kernel; logsumexp is slower
+            miss = best != et
+            rank = torch.zeros_like(et)
+            if bool(miss.any()):
+                rank[miss] = (logits[miss] > tl[miss, None]).sum(1)  # a tie with the target's logit counts as a hit
+        done = 0
+        for a, (tag, _, t, e) in zip(starts, self.pending):  # one entry per (sample, output|prompt), final once flushed
+            fig = _z_figures(z[a:a + len(t)])
+            if e:
+                fig |= _position_figures(rank[done:done + e], lp[done:done + e])
+                done += e
+            self.got[tag] = fig
         self.positions += at
-        self.pending, self.queued = [], 0
+        self.exact_positions += len(ex)
+        self.pending, self.queued, self.queued_exact = [], 0, 0
         self.seconds += time.perf_counter() - t0
 
     def figures(self, tag: Any, prefix: str) -> dict[str, Any]:
-        """The head's figures of one tag (and forgets them): positions, top-1 share and misses, log-prob median
-        and mean, rank median; `{prefix}_positions` 0 when it had none."""
+        """The head's figures of one tag (and forgets them): z positions, mean and least; at the exact positions
+        their count, top-1 share and misses, log-prob median and mean, rank median; `{prefix}_positions` 0 when none."""
         got = self.got.pop(tag, None)
         if got is None:
             return {f"{prefix}_positions": 0}
         return {f"{prefix}_{k}": v for k, v in got.items()}
 
 
+def _z_figures(z: Any) -> dict[str, Any]:
+    return {"positions": len(z), "z_mean": round(float(z.mean()), 3), "z_min": round(float(z.min()), 3)}
+
+
 def _position_figures(rank: Any, lp: Any) -> dict[str, Any]:
-    return {"positions": len(rank), "top1": round(float((rank == 0).float().mean()), 4),
+    return {"exact_positions": len(rank), "top1": round(float((rank == 0).float().mean()), 4),
             "misses": int((rank > 0).sum()), "logprob_median": round(float(lp.median()), 4),
             "logprob_mean": round(float(lp.mean()), 4), "rank_median": int(rank.median())}
 
 
 def sample_figures(key: str, hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head | None,
-                   k: int | tuple[int, int], batch: HeadBatch | None = None, tag: Any = None) -> dict[str, Any]:
+                   k: int | tuple[int, int, int], batch: HeadBatch | None = None, tag: Any = None,
+                   prompt_from: int = 0) -> dict[str, Any]:
     """Every figure of one stored sample: finiteness, flat rows, layer duplicates, final kind, head, norm profile.
 
-    `hs` [n, S, H] in the store's order `names` (aux low, mid, high, then the final state(s)); `k`: output
-    and prompt head positions (one count for both; 0 = all). With `batch`, the head's positions are queued
-    under `tag` and their figures come from `batch.figures` once it is flushed; without, they are computed here.
+    `hs` [n, S, H] in the store's order `names` (aux low, mid, high, then the final state(s)); `k`: (exact, output z,
+    prompt z) head positions (`exact_plan`, `head_counts`; 0 exact = none), or one count for all three (0 = all).
+    The exact output positions are a
+    subset of the output z ones; the prompt ones start at `prompt_from` (`unique_starts`). With `batch`, the head's
+    positions are queued under `tag` and their figures come from `batch.figures` once it is flushed; without, they
+    are computed here.
     """
     import torch
 
@@ -288,21 +431,26 @@ def sample_figures(key: str, hs: Any, ids: Any, mask: Any, names: Sequence[str],
     if head is None:
         return out
     finals = {nm: i for i, nm in enumerate(names) if nm in ("pre_norm", "post_norm")}
-    out["unit_rms_share"] = {nm: round(float(((head.unit_rms(x[:, i]) - 1).abs() < UNIT_RMS_TOL).float().mean()), 4)
-                             for nm, i in finals.items()}
-    k_out, k_prompt = (k, k) if isinstance(k, int) else k
+    k_exact, k_out, k_prompt = (k, k, k) if isinstance(k, int) else k
     m = mask.tolist()
     n = len(m)
     out_at = positions(key, [t for t in range(n - 1) if m[t + 1]], k_out, first=True)
-    prompt_at = positions(key + "#prompt", [t for t in range(n - 1) if not m[t + 1]], k_prompt)
+    exact_at = positions(key + "#exact", out_at, k_exact, first=True) if k_exact or isinstance(k, int) else []
+    chosen = set(exact_at)
+    out_at = exact_at + [t for t in out_at if t not in chosen]  # the exact ones first: HeadBatch takes a prefix
+    prompt_at = positions(key + "#prompt", [t for t in range(prompt_from, n - 1) if not m[t + 1]], k_prompt)
+    at_all = out_at + prompt_at or list(range(n))
+    rows_all = torch.tensor(at_all, dtype=torch.long)
+    fin = x[rows_all][:, list(finals.values())].float()  # the final states at the head's rows, float32
+    # the final state's kind, at the head's rows (a clean store gives a share of exactly 1 or 0 at any rows)
+    out["unit_rms_share"] = {nm: round(float(((head.unit_rms(fin[:, j]) - 1).abs() < UNIT_RMS_TOL).float().mean()), 4)
+                             for j, nm in enumerate(finals)}
+    post_all = fin[:, list(finals).index("post_norm")] if "post_norm" in finals else head.norm(fin[:, 0])
     own = batch is None
     batch = HeadBatch(head) if own else batch
-    for at, prefix in ((out_at, "out"), (prompt_at, "prompt")):
-        if not at:
-            continue
-        rows = torch.tensor(at, dtype=torch.long)
-        post = x[rows, finals["post_norm"]] if "post_norm" in finals else head.norm(x[rows, finals["pre_norm"]])
-        batch.add((tag, prefix), post, ids[rows + 1])
+    for lo, at, prefix, exact in ((0, out_at, "out", len(exact_at)), (len(out_at), prompt_at, "prompt", 0)):
+        if at:
+            batch.add((tag, prefix), post_all[lo:lo + len(at)], ids[torch.tensor(at, dtype=torch.long) + 1], exact)
     if own:
         batch.flush()
         out.update(batch.figures((tag, "out"), "out") | batch.figures((tag, "prompt"), "prompt"))
@@ -341,10 +489,31 @@ def profile_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float
             for nm, v in (r.get(fig) or {}).items():
                 by.setdefault(nm, []).append(v)
         out[fig] = {nm: robust_centre(v) for nm, v in by.items()}
-    for fig in ("out_logprob_median", "prompt_logprob_mean"):
+    for fig in ("out_logprob_median", "out_z_mean", "prompt_z_mean"):
         vals = [r[fig] for r in rows if r.get(fig) is not None]
         if vals:
             out[fig] = {"": robust_centre(vals)}
+    return out
+
+
+def run_head_problems(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The exact head positions pooled over the run (a store whose final states are not the target's fails here
+    even where no sample has enough of them alone): greedy records' top-1 misses against top1_limit of the pooled
+    count, every record's mean log-prob against MIN_OUT_LOGPROB. Problems as `{key: "*", check, detail}`."""
+    out = []
+    greedy = [r for r in rows if r.get("greedy") and r.get("out_exact_positions")]
+    k, miss = sum(r["out_exact_positions"] for r in greedy), sum(r["out_misses"] for r in greedy)
+    if k and miss >= top1_limit(k):
+        out.append({"key": "*", "check": "head_top1",
+                    "detail": f"the run's greedy records: {miss} top-1 misses of {k} exact output positions, at "
+                              f"least {top1_limit(k)} fail (clean miss rate {TOP1_CLEAN_MISS:g})"})
+    got = [r for r in rows if r.get("out_exact_positions")]
+    k = sum(r["out_exact_positions"] for r in got)
+    mean = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in got) / k if k else None
+    if mean is not None and mean < MIN_OUT_LOGPROB:
+        out.append({"key": "*", "check": "head_logprob",
+                    "detail": f"the run's mean log-prob of the next output token {mean:.2f} at {k} exact positions, "
+                              f"below {MIN_OUT_LOGPROB:g}"})
     return out
 
 
@@ -361,17 +530,21 @@ def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_pro
     share = fig.get("unit_rms_share") or {}
     if any((v < MIN_UNIT_SHARE_POST) if nm == "post_norm" else (v > MAX_UNIT_SHARE_PRE) for nm, v in share.items()):
         failed.append("final_kind")
-    if greedy and fig.get("out_positions") and fig["out_misses"] >= top1_limit(fig["out_positions"]):
+    if greedy and fig.get("out_exact_positions") and fig["out_misses"] >= top1_limit(fig["out_exact_positions"]):
         failed.append("head_top1")
-    for figname, check, floor in (("out_logprob_median", "head_logprob", MIN_OUT_LOGPROB),
-                                  ("prompt_logprob_mean", "prompt_logprob", MIN_PROMPT_LOGPROB)):
+    if (fig.get("out_exact_positions") or 0) < EXACT_PER_SAMPLE:
+        fig = {k: v for k, v in fig.items() if k != "out_logprob_median"}  # too few to judge one sample: pooled only
+    for figname, check, floor, spread_floor in (("out_logprob_median", "head_logprob", MIN_OUT_LOGPROB, 0.5),
+                                                ("out_z_mean", "head_logit_z", MIN_OUT_Z if greedy else
+                                                 MIN_SAMPLED_OUT_Z, Z_SPREAD_FLOOR),
+                                                ("prompt_z_mean", "prompt_logit_z", MIN_PROMPT_Z, Z_SPREAD_FLOOR)):
         v = fig.get(figname)
         if v is None:
             continue
         low = v < floor
         if judge_profile and figname in stats:
             med, spread = stats[figname][""]
-            z[figname] = round((v - med) / max(spread, 0.5), 2)
+            z[figname] = round((v - med) / max(spread, spread_floor), 2)
             low = low or z[figname] < -PROFILE_Z
         if low:
             failed.append(check)
