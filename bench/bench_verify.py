@@ -219,8 +219,9 @@ def power(p, cfg, draws: int = 20000) -> dict:
 
     run_head_top1: the measured top-1 rates, and for the run floor K the binomial false-fail (a clean run at
     TOP1_CLEAN_MISS) and miss (a broken run at 10% top-1, and at the worst measured) of top1_limit(K).
-    head_logit_z / prompt_logit_z: K positions drawn (with replacement) `draws` times per sample; the worst
-    sample's share below the limit (clean: a false failure) and at or above it (broken: a miss)."""
+    head_logit_z / prompt_logit_z: K positions drawn (with replacement) `draws` times per sample (all of them once
+    where the sample has no more than K, as verify takes them); the worst sample's share below the limit (clean: a
+    false failure) and at or above it (broken: a miss)."""
     import torch
 
     from eagle3data.core.models import resolve_model_path
@@ -281,7 +282,10 @@ def power(p, cfg, draws: int = 20000) -> dict:
         for _, _, z in parts:
             if len(z) == 0:
                 continue
-            mean = z[torch.randint(len(z), (draws, k), generator=g)].mean(1)
+            if len(z) <= k:  # verify takes every position of a sample this short: one mean, no draw
+                mean = z.mean()[None]
+            else:  # with replacement: more spread than verify's draw without (Hoeffding), so conservative
+                mean = z[torch.randint(len(z), (draws, k), generator=g)].mean(1)
             out = max(out, float(((mean < limit) if below else (mean >= limit)).float().mean()))
         return out
 
