@@ -98,9 +98,9 @@ class VerifyResult:
         failed = {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}
         return (f"verify-hidden: {s['samples']} samples, {s['failed_samples']} failed"
                 + (f" ({', '.join(f'{k} {v}' for k, v in failed.items())})" if failed else "")
-                + f"; recomputed {s['recomputed']}; head at {s['head']['exact_mean']:g} output positions, logit z at "
-                  f"{s['head']['out_mean']:g} output + {s['head']['prompt_mean']:g} prompt per sample "
-                  f"(at most {s['positions']})"
+                + f"; recomputed {s['recomputed']}; logit z at {s['head']['out_mean']:g} output + "
+                  f"{s['head']['prompt_mean']:g} prompt positions per sample (at most {s['positions']}), the whole "
+                  f"head at {s['head']['exact_positions']} output positions over the run"
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
