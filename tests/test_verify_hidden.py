@@ -358,6 +358,22 @@ def test_head_positions_have_floors_a_budget_and_a_cap():
         assert binom_tail(k, TOP1_CLEAN_MISS, m) <= TOP1_ALPHA < binom_tail(k, TOP1_CLEAN_MISS, m - 1)
 
 
+def test_sampled_records_are_judged_by_their_own_floors():
+    """A sampled record's next token is the sampler's choice: its z floor is the lower one measured on a temperature-1
+    run, and its log-prob is judged only against the run (the pooled check takes greedy records alone)."""
+    from eagle3data.hidden.verify_checks import MIN_OUT_Z, MIN_SAMPLED_OUT_Z, judge, run_head_problems
+
+    base = {"nonfinite": 0, "flat_rows": 0, "duplicate_layers": [], "out_exact_positions": 16, "out_misses": 0,
+            "out_logprob_median": -6.0, "out_logprob_mean": -6.5, "out_z_mean": (MIN_OUT_Z + MIN_SAMPLED_OUT_Z) / 2}
+    assert judge(base, {}, greedy=False, judge_profile=False)[0] == []
+    assert judge(base, {}, greedy=True, judge_profile=False)[0] == ["head_logprob", "head_logit_z"]
+    low = base | {"out_z_mean": MIN_SAMPLED_OUT_Z - 0.1}
+    assert judge(low, {}, greedy=False, judge_profile=False)[0] == ["head_logit_z"]
+    rows = [{"greedy": False, "out_exact_positions": 1, "out_misses": 1, "out_logprob_mean": -7.0}] * 8
+    assert run_head_problems(rows) == []
+    assert {p["check"] for p in run_head_problems([r | {"greedy": True} for r in rows])} == {"head_top1", "head_logprob"}
+
+
 def test_prompt_positions_start_after_the_prefix_another_sample_shares():
     """A system prompt, a template or the earlier turns shared with another sample give the same states in both:
     the prompt check draws after the longest prefix any other sample shares (a whole-prefix turn: none)."""

@@ -239,8 +239,9 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
         checks[c] = {"applicable": a, "failed": f, "upper95": None if a == 0 else round(upper95(f, a), 6),
                      "what": what}
     for c, what in (("run_head_top1", "the run's greedy records: top-1 at the exact output positions, pooled"),
-                    ("run_head_logprob", "the run's records: mean log-prob of the next output token, pooled")):
-        checks[c] = {"applicable": int(bool(_head_use(rows)["exact_positions"])), "upper95": None, "what": what,
+                    ("run_head_logprob", "the run's greedy records: mean log-prob of the next output token, pooled")):
+        checks[c] = {"applicable": int(any(r.get("greedy") and r.get("out_exact_positions") for r in rows)),
+                     "upper95": None, "what": what,
                      "failed": sum(1 for p in store_problems if p["check"] == c[len("run_"):])}
     checks["coverage"] = {"applicable": 1, "failed": sum(1 for p in store_problems if p["check"] == "coverage"),
                           "upper95": None,

@@ -45,11 +45,12 @@ MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EX
 # Logit z limits (mean over the sample's z positions; docs/04 "Thresholds"): per-sample means on the nbval fixture
 # store, output 5.72-6.77 clean against 1.44-3.17 shifted or swapped; prompt (after the prefix another sample
 # shares) 5.56-6.65 clean against 1.16-3.14 from another sample; at 64 positions no draw of 20,000 per sample crossed
-# 4.5 on the embedded run's store either. For sampled records the output limit is MIN_SAMPLED_OUT_Z: their next
-# token is not the head's choice, so the run's own level judges them.
+# 4.5 on the embedded run's store either. Sampled records (temperature 1, the embedded run's prompts): clean output
+# means 4.61-6.97, so their limit is MIN_SAMPLED_OUT_Z (the greedy broken ones reach 3.59); their log-prob is the
+# sampler's (pooled mean -4.47 on that run), so only the run judges it.
 MIN_OUT_Z = 4.5
 MIN_PROMPT_Z = 4.5
-MIN_SAMPLED_OUT_Z = 2.0
+MIN_SAMPLED_OUT_Z = 4.0
 Z_SPREAD_FLOOR = 0.5  # the least run spread (1.4826 MAD) a mean z is compared with
 UNIT_RMS_TOL = 0.02  # a post-norm row: |rms(state / norm weight) - 1| below this
 MIN_UNIT_SHARE_POST = 0.9  # share of rows that look post-norm in a state said to be post-norm
@@ -508,13 +509,12 @@ def run_head_problems(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"key": "*", "check": "head_top1",
                     "detail": f"the run's greedy records: {miss} top-1 misses of {k} exact output positions, at "
                               f"least {top1_limit(k)} fail (clean miss rate {TOP1_CLEAN_MISS:g})"})
-    got = [r for r in rows if r.get("out_exact_positions")]
-    k = sum(r["out_exact_positions"] for r in got)
-    mean = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in got) / k if k else None
+    k = sum(r["out_exact_positions"] for r in greedy)  # a sampled token's log-prob is the sampler's, not the states'
+    mean = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in greedy) / k if k else None
     if mean is not None and mean < MIN_OUT_LOGPROB:
         out.append({"key": "*", "check": "head_logprob",
-                    "detail": f"the run's mean log-prob of the next output token {mean:.2f} at {k} exact positions, "
-                              f"below {MIN_OUT_LOGPROB:g}"})
+                    "detail": f"the run's greedy records: mean log-prob of the next output token {mean:.2f} at {k} "
+                              f"exact positions, below {MIN_OUT_LOGPROB:g}"})
     return out
 
 
@@ -535,7 +535,8 @@ def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_pro
         failed.append("head_top1")
     if (fig.get("out_exact_positions") or 0) < EXACT_PER_SAMPLE:
         fig = {k: v for k, v in fig.items() if k != "out_logprob_median"}  # too few to judge one sample: pooled only
-    for figname, check, floor, spread_floor in (("out_logprob_median", "head_logprob", MIN_OUT_LOGPROB, 0.5),
+    for figname, check, floor, spread_floor in (("out_logprob_median", "head_logprob",
+                                                 MIN_OUT_LOGPROB if greedy else -math.inf, 0.5),
                                                 ("out_z_mean", "head_logit_z", MIN_OUT_Z if greedy else
                                                  MIN_SAMPLED_OUT_Z, Z_SPREAD_FLOOR),
                                                 ("prompt_z_mean", "prompt_logit_z", MIN_PROMPT_Z, Z_SPREAD_FLOOR)):
