@@ -491,8 +491,9 @@ def profile_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float
             for nm, v in (r.get(fig) or {}).items():
                 by.setdefault(nm, []).append(v)
         out[fig] = {nm: robust_centre(v) for nm, v in by.items()}
-    for fig in ("out_logprob_median", "out_z_mean", "prompt_z_mean"):
-        vals = [r[fig] for r in rows if r.get(fig) is not None]
+    for fig in ("out_logprob_median", "out_z_mean", "prompt_z_mean"):  # a log-prob median as judge takes it
+        vals = [r[fig] for r in rows if r.get(fig) is not None and (
+            fig != "out_logprob_median" or (r.get("out_exact_positions") or 0) >= EXACT_PER_SAMPLE)]
         if vals:
             out[fig] = {"": robust_centre(vals)}
     return out
