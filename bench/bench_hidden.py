@@ -67,10 +67,16 @@ def _params(run_root: Path, hidden_out: Path | None = None):
 
 
 def ensure_records() -> tuple[Path, str]:
-    """A run folder holding embedded records: make run's, or a smaller one generated once here."""
-    real = REPO / "outputs" / "embedded" / "records"
-    if real.exists() and any(real.glob("*.jsonl")):
-        return REPO / "outputs", "outputs/embedded (make run)"
+    """A run folder holding embedded records: a copy of make run's (its records, rebuilds and audit, never its
+    hidden/ or provenance: the benches' extractions write there), or a smaller one generated once here."""
+    real = REPO / "outputs" / "embedded"
+    if (real / "records").exists() and any((real / "records").glob("*.jsonl")):
+        root = OUT / "embedded_copy"
+        shutil.rmtree(root, ignore_errors=True)
+        for part in ("records", "reconstruct", "audit"):
+            if (real / part).exists():
+                shutil.copytree(real / part, root / "embedded" / part)
+        return root, "outputs/embedded (make run), copied"
     root = OUT / "hidden_run"
     if not (root / "embedded" / "records").exists() or not any((root / "embedded" / "records").glob("*.jsonl")):
         from eagle3data.generate.run import run_generate
