@@ -268,7 +268,7 @@ def table(summary: dict[str, Any]) -> str:
             ratio += f" (PLANTED: {r['planted']})"
         ok = "—" if r.get("met") is None else ("yes" if r["met"] else "**no**")
         lines.append(f"| {r['what']} | {r['baseline']} | {ratio} | {_goal_text(r)} | {ok} | {_spread_text(r)} |")
-    loads = sorted({r["load_1m"] for r in summary["figures"].values() if r.get("load_1m") is not None})
+    loads = sorted({round(r["load_1m"], 2) for r in summary["figures"].values() if r.get("load_1m") is not None})
     lines += ["", f"Measured at commit `{summary['commit']}`, {summary['written_at']}, {summary['cpus']} CPUs; "
               f"1-minute load when each bench began: {', '.join(f'{x:g}' for x in loads) or 'not recorded'} "
               f"(at the summary: {summary['load_1_5_15'][0]:g})."]
