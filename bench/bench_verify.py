@@ -167,6 +167,7 @@ def main() -> int:
     token_bytes = stored_bytes_per_token(info)
     read_s_per_token = min(base) / tokens
     rest_s = min(ours) - s["setup_seconds"] - s["head_seconds"]  # the per-sample figures and the reading
+    fixture = fixture_params()  # the store the limits come from (extracted once), for its power beside this one's
     figures = {
         "store": where, "samples": n, "tokens": tokens, "bytes_per_token": token_bytes,
         "positions_cap": DEFAULT_POSITIONS, "exact_run_floor": EXACT_RUN_FLOOR, "z_out_floor": Z_OUT_FLOOR,
@@ -199,7 +200,7 @@ def main() -> int:
         "tokens_per_sample_for_half_speed": _break_even(read_s_per_token, rest_s / tokens,
                                                         (Z_OUT_FLOOR + Z_PROMPT_FLOOR) * this_z),
         "power": power(p, cfg),
-        "power_fixture": power(fixture_params()[0], cfg) if where != fixture_params()[1] else "the store above",
+        "power_fixture": power(fixture[0], cfg) if where != fixture[1] else "the store above",
         "torch_threads": torch.get_num_threads(), "load_average_at_start": load_start,
         "load_average": os.getloadavg(),
         "rounds": {"plain_read_s": [round(x, 4) for x in base], "verify_s": [round(x, 4) for x in ours],

@@ -30,16 +30,16 @@ from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
 from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError,
-                                             compare_states, exact_plan, head_counts, judge, load_head, profile_stats,
-                                             recompute_failed, run_head_problems, sample_figures, top1_limit,
-                                             unique_starts)
+                                             compare_states, exact_plan, head_counts, judge, load_head, pooled_exact,
+                                             profile_stats, recompute_failed, run_head_problems, sample_figures,
+                                             top1_limit, unique_starts)
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
 RECOMPUTE_GROUP = 256  # per-sample layouts: "a shard" for the default recompute is this many samples
 DEFAULT_RECOMPUTE = 2  # samples recomputed per shard by default
 DEFAULT_POSITIONS = 64  # the most head positions per sample (exact, output z, prompt z each) by default; floors and
-# budget in verify_checks (EXACT_FLOOR, Z_OUT_FLOOR, Z_PROMPT_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below that
+# budget in verify_checks (Z_OUT_FLOOR, Z_PROMPT_FLOOR, EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below it
 
 # A recompute backend: what `extract.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
 # store's order and dtype, and `close()`. `verify_store` takes a factory of one, called only when a sample is picked.
@@ -238,10 +238,10 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
         f = sum(1 for r in rows if c in r["failed"])
         checks[c] = {"applicable": a, "failed": f, "upper95": None if a == 0 else round(upper95(f, a), 6),
                      "what": what}
+    pooled = int(pooled_exact(rows)[0] > 0)  # the run checks apply when greedy records have exact positions
     for c, what in (("run_head_top1", "the run's greedy records: top-1 at the exact output positions, pooled"),
                     ("run_head_logprob", "the run's greedy records: mean log-prob of the next output token, pooled")):
-        checks[c] = {"applicable": int(any(r.get("greedy") and r.get("out_exact_positions") for r in rows)),
-                     "upper95": None, "what": what,
+        checks[c] = {"applicable": pooled, "upper95": None, "what": what,
                      "failed": sum(1 for p in store_problems if p["check"] == c[len("run_"):])}
     checks["coverage"] = {"applicable": 1, "failed": sum(1 for p in store_problems if p["check"] == "coverage"),
                           "upper95": None,
@@ -261,12 +261,11 @@ def _head_use(rows: list[dict[str, Any]]) -> dict[str, Any]:
     got = [r for r in rows if "log_rms" in r]
     k = max(len(got), 1)
     exact, out, prompt = ([r.get(f, 0) for r in got] for f in ("out_exact_positions", "out_positions", "prompt_positions"))
-    greedy = [r for r in got if r.get("greedy") and r.get("out_exact_positions")]
-    gk = sum(r["out_exact_positions"] for r in greedy)
+    gk, gmiss, _ = pooled_exact(got)
     lp = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in got if r.get("out_exact_positions"))
     return {"positions": sum(out) + sum(prompt), "exact_positions": sum(exact), "exact_mean": round(sum(exact) / k, 1),
             "out_mean": round(sum(out) / k, 1), "prompt_mean": round(sum(prompt) / k, 1),
-            "pooled_greedy_top1": round(1 - sum(r["out_misses"] for r in greedy) / gk, 4) if gk else None,
+            "pooled_greedy_top1": round(1 - gmiss / gk, 4) if gk else None,
             "pooled_logprob_mean": round(lp / sum(exact), 4) if sum(exact) else None}
 
 

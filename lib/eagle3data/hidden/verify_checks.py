@@ -128,12 +128,6 @@ class Head:
         x = x.float()
         return self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    def log_probs(self, post: Any) -> Any:
-        """Log-softmax of the head over the vocabulary for post-norm states `[k, hidden]`."""
-        import torch
-
-        return torch.log_softmax(post.float() @ self.lm_head.T, dim=-1)
-
     def moments(self) -> tuple[Any, Any]:
         """(mean row `[hidden]`, a factor F `[hidden, hidden]` of the rows' covariance, F F^T = cov): for any state x
         the vocabulary's mean logit is x . mean and the variance of its logits is |x F|^2, exactly. Computed once per
@@ -275,9 +269,10 @@ def exact_plan(lengths: Sequence[int], outputs: Sequence[int], token_bytes: int,
     """Whole-head (exact) output positions per sample, planned over the run before the pass: HEAD_FLOPS_PER_BYTE x
     the store's bytes at 2 x hidden x vocab FLOPs each, at least EXACT_RUN_FLOOR, shared in proportion to the
     samples' lengths (largest remainders), at most `cap` and the sample's output positions each; `cap` 0 = all."""
-    room = [max(int(o), 0) if cap <= 0 else min(cap, max(int(o), 0)) for o in outputs]
+    room = [max(int(o), 0) for o in outputs]
     if cap <= 0:
         return room
+    room = [min(cap, r) for r in room]
     total = int(HEAD_FLOPS_PER_BYTE * token_bytes * sum(lengths) // (2.0 * hidden * vocab))
     total = min(max(EXACT_RUN_FLOOR, total), sum(room))
     got = [0] * len(room)
@@ -422,10 +417,9 @@ def sample_figures(key: str, hs: Any, ids: Any, mask: Any, names: Sequence[str],
 
     `hs` [n, S, H] in the store's order `names` (aux low, mid, high, then the final state(s)); `k`: (exact, output z,
     prompt z) head positions (`exact_plan`, `head_counts`; 0 exact = none), or one count for all three (0 = all).
-    The exact output positions are a
-    subset of the output z ones; the prompt ones start at `prompt_from` (`unique_starts`). With `batch`, the head's
-    positions are queued under `tag` and their figures come from `batch.figures` once it is flushed; without, they
-    are computed here.
+    The exact output positions are a subset of the output z ones; the prompt ones start at `prompt_from`
+    (`unique_starts`). With `batch`, the head's positions are queued under `tag` and their figures come from
+    `batch.figures` once it is flushed; without, they are computed here.
     """
     import torch
 
@@ -499,19 +493,26 @@ def profile_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float
     return out
 
 
+def pooled_exact(rows: list[dict[str, Any]]) -> tuple[int, int, float | None]:
+    """The greedy records' exact head positions pooled over the run: (positions, top-1 misses, mean log-prob).
+    Sampled records are left out: a sampled token's log-prob is the sampler's, not the states'."""
+    greedy = [r for r in rows if r.get("greedy") and r.get("out_exact_positions")]
+    k = sum(r["out_exact_positions"] for r in greedy)
+    miss = sum(r["out_misses"] for r in greedy)
+    mean = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in greedy) / k if k else None
+    return k, miss, mean
+
+
 def run_head_problems(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The exact head positions pooled over the run (a store whose final states are not the target's fails here
-    even where no sample has enough of them alone): greedy records' top-1 misses against top1_limit of the pooled
-    count, every record's mean log-prob against MIN_OUT_LOGPROB. Problems as `{key: "*", check, detail}`."""
+    even where no sample has enough of them alone): the greedy records' top-1 misses against top1_limit of the
+    pooled count, and their mean log-prob against MIN_OUT_LOGPROB. Problems as `{key: "*", check, detail}`."""
     out = []
-    greedy = [r for r in rows if r.get("greedy") and r.get("out_exact_positions")]
-    k, miss = sum(r["out_exact_positions"] for r in greedy), sum(r["out_misses"] for r in greedy)
+    k, miss, mean = pooled_exact(rows)
     if k and miss >= top1_limit(k):
         out.append({"key": "*", "check": "head_top1",
                     "detail": f"the run's greedy records: {miss} top-1 misses of {k} exact output positions, at "
                               f"least {top1_limit(k)} fail (clean miss rate {TOP1_CLEAN_MISS:g})"})
-    k = sum(r["out_exact_positions"] for r in greedy)  # a sampled token's log-prob is the sampler's, not the states'
-    mean = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in greedy) / k if k else None
     if mean is not None and mean < MIN_OUT_LOGPROB:
         out.append({"key": "*", "check": "head_logprob",
                     "detail": f"the run's greedy records: mean log-prob of the next output token {mean:.2f} at {k} "
