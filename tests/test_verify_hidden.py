@@ -324,13 +324,54 @@ def test_the_fused_figures_equal_the_element_wise_ones():
     hs[5, 0, 3] = float("nan")
     hs[6, 2, 0] = float("inf")  # layers 2 and 3 now differ in one element
     names = ("aux_low", "aux_mid", "aux_high", "pre_norm", "post_norm")
-    fig, _ = stat_figures(hs, names)
+    fig = stat_figures(hs, names)
     x = torch.nan_to_num(hs.float(), nan=0.0, posinf=0.0, neginf=0.0)
     assert fig["nonfinite"] == int((~torch.isfinite(hs.float())).sum()) == 2
     assert fig["flat_rows"] == int(((x.amax(-1) - x.amin(-1)) == 0).sum()) == 2
     assert fig["duplicate_layers"] == []
     hs[6, 2, 0] = hs[6, 3, 0]
-    assert stat_figures(hs, names)[0]["duplicate_layers"] == [["aux_high", "pre_norm"]]
+    assert stat_figures(hs, names)["duplicate_layers"] == [["aux_high", "pre_norm"]]
+
+
+def test_many_samples_reduced_at_once_give_each_its_own_figures():
+    """chunk_figures over consecutive samples (as verify reduces a chunk of the store) gives every sample exactly
+    the figures it has alone, so a defect planted in one sample shows in that sample and no other."""
+    from eagle3data.hidden.verify_checks import chunk_figures, stat_figures
+
+    g = torch.Generator().manual_seed(1)
+    names = ("aux_low", "aux_mid", "aux_high", "pre_norm", "post_norm")
+    parts = [(torch.randn(n, 5, 64, generator=g) * (1 + i)).to(torch.bfloat16) for i, n in enumerate((9, 1, 14, 6))]
+    parts[0][3, 2] = 0  # a zeroed row in the first
+    parts[2][:, 4] = parts[2][:, 1]  # a layer stored twice in the third
+    parts[3][2, 0, 5] = float("nan")  # NaN in the last
+    spans, at = [], 0
+    for t in parts:
+        spans.append((at, len(t)))
+        at += len(t)
+    figs = chunk_figures(torch.cat(parts), names, spans)
+    assert figs == [stat_figures(t, names) for t in parts]
+    assert [f["flat_rows"] for f in figs] == [1, 0, 0, 0] and [f["nonfinite"] for f in figs] == [0, 0, 0, 1]
+    assert [f["duplicate_layers"] for f in figs] == [[], [], [["aux_mid", "post_norm"]], []]
+    assert chunk_figures(torch.cat(parts), names, spans[1:3]) == figs[1:3]  # a subset of the rows: theirs only
+
+
+def test_the_reader_streams_whole_samples_in_runs_of_bounded_size(clean):
+    """HiddenReader.chunks hands out consecutive whole samples (each at its row), never more than max_bytes stored
+    unless one sample is larger; every sample once, equal to what iterating the reader gives."""
+    rd = HiddenReader(hidden_dir(clean))
+    alone = list(rd)
+    per_token = rd.codec.bytes_per_token(int(rd.info["hidden_size"]))
+    cap = 3 * max(s["length"] for s in alone) * per_token
+    got = []
+    for rows, part in rd.chunks(cap):
+        assert len(part["hidden_states"]) * per_token <= cap or len(rows) == 1
+        for r in rows:
+            got.append((r["key"], part["hidden_states"][r["at"]:r["at"] + r["length"]],
+                        part["input_ids"][r["at"]:r["at"] + r["length"]]))
+    assert len(list(rd.chunks(cap))) > 1
+    assert [k for k, _, _ in got] == [s["key"] for s in alone]
+    for (_, hs, ids), s in zip(got, alone):
+        assert torch.equal(hs, s["hidden_states"]) and torch.equal(ids, s["input_ids"])
 
 
 def test_head_positions_have_floors_a_budget_and_a_cap():
@@ -397,7 +438,7 @@ def test_the_logit_z_is_the_one_the_whole_head_gives(clean):
     logits = (post.double() @ head.lm_head.double().T)
     want = (logits.gather(1, tgt[:, None])[:, 0] - logits.mean(1)) / logits.std(1, unbiased=False)
     got = head.logit_z(post, tgt)
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=1e-3)  # the std's GEMM is bfloat16 (0.1%)
     at_or_above = (logits >= logits.gather(1, tgt[:, None])).double().mean(1)
     pos = got > 0
     assert bool((at_or_above[pos] <= 1 / (1 + got[pos].double() ** 2) + 1e-9).all())

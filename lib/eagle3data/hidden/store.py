@@ -462,19 +462,42 @@ class HiddenReader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Every sample, shard by shard (each shard read once, sequentially)."""
+        for rows, part in self.chunks():
+            for row in rows:
+                a, n = row["at"], int(row["length"])
+                yield {**{k: v for k, v in row.items() if k != "at"},
+                       **{k: v[a : a + n] for k, v in part.items()}}
+
+    def chunks(self, max_bytes: int = 0) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any]]]:
+        """The store in runs of consecutive samples, shard by shard (each shard read once): (their index rows, each
+        with `at`, its first token in the run; the run's `hidden_states` [tokens, S, hidden], `input_ids`,
+        `loss_mask`). A run holds whole samples up to `max_bytes` stored (one sample at least; 0: the whole shard),
+        so a consumer can reduce many samples' states in one call; per-sample layouts give a sample per run."""
         from safetensors.torch import load_file
 
+        cols = list(self.index.columns)
+        records = [dict(zip(cols, v)) for v in zip(*(self.index[c].tolist() for c in cols))]  # 3x pandas' to_dict
         if self.layout != "shards":
-            for i in range(len(self.index)):
-                yield self.sample(i)
+            for row in records:
+                yield [{**row, "at": 0}], self._read_file(self.dir / row["shard"])
             return
-        for shard, rows in self.index.groupby("shard", sort=True):
-            t = load_file(str(self.dir / shard))
+        per_token = max(self.codec.bytes_per_token(int(self.info["hidden_size"])), 1)
+        by_shard: dict[str, list[dict[str, Any]]] = {}
+        for row in records:
+            by_shard.setdefault(row["shard"], []).append(row)
+        for shard in sorted(by_shard):
+            t = load_file(str(self.dir / shard))  # memory-mapped: the bytes are read as the states are used
             block = {k: t[k] for k in self.codec.block_tensors()}
-            for _, row in rows.sort_values("offset").iterrows():
-                a, n = int(row["offset"]), int(row["length"])
-                part = {k: v[a : a + n] for k, v in t.items() if k not in block}
-                yield {**row.to_dict(), **self._decoded({**part, **block})}
+            run: list[dict[str, Any]] = []
+            for row in sorted(by_shard[shard], key=lambda r: r["offset"]) + [None]:
+                if run and (row is None or row["offset"] != run[-1]["offset"] + run[-1]["length"]
+                            or (max_bytes and (row["offset"] + row["length"] - run[0]["offset"]) * per_token > max_bytes)):
+                    a, b = int(run[0]["offset"]), int(run[-1]["offset"] + run[-1]["length"])
+                    part = {k: v[a:b] for k, v in t.items() if k not in block}
+                    yield [{**r, "at": int(r["offset"]) - a} for r in run], self._decoded({**part, **block})
+                    run = []
+                if row is not None:
+                    run.append(row)
             del t
 
 

@@ -1,8 +1,9 @@
 """`eagle3data verify-hidden`: prove that the stored states are the target's own (docs/04 "Verify").
 
 One streamed pass over the store (through `HiddenReader`, each shard read once) computes the
-figures of every sample (`verify_checks.sample_figures`: finiteness, flat rows, duplicate
-layers, the final state's kind, the target's head at sampled positions, the norm profile) and
+figures of every sample (`verify_checks.chunk_figures`, many samples' states reduced at once:
+finiteness, flat rows, duplicate layers, the norm profile; `head_figures`: the final state's kind,
+the target's head at sampled positions, batched across samples) and
 the store checks that 04's validation has always made (shape, ids, mask, coverage); samples
 picked for recompute are run through the target again by a recompute backend and compared
 layer by layer. The verdicts come after the pass, once the run's own spread is known.
@@ -31,13 +32,15 @@ from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
 from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError,
                                              compare_states, exact_plan, head_counts, judge, load_head, pooled_exact,
-                                             profile_stats, recompute_failed, run_head_problems, sample_figures,
+                                             profile_stats, recompute_failed, run_head_problems, chunk_figures,
+                                             head_figures,
                                              top1_limit, unique_starts)
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
 RECOMPUTE_GROUP = 256  # per-sample layouts: "a shard" for the default recompute is this many samples
 DEFAULT_RECOMPUTE = 2  # samples recomputed per shard by default
+CHUNK_BYTES = 64 * 2**20  # stored bytes of consecutive samples whose figures are reduced at once (float32: twice)
 DEFAULT_POSITIONS = 64  # the most head positions per sample (exact, output z, prompt z each) by default; floors and
 # budget in verify_checks (Z_OUT_FLOOR, Z_PROMPT_FLOOR, EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below it
 
@@ -156,26 +159,38 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     exact = dict(zip(reader.keys(), exact_plan(ix["length"].tolist(), outputs, token_bytes, hidden, vocab, positions)))
     shape = (len(names), info["hidden_size"])
     try:
-        for i, smp in enumerate(reader):
-            skey = SampleKey.of(smp)
-            key = str(skey)
-            hs = smp["hidden_states"]
-            n = int(smp["length"])
-            row: dict[str, Any] = {"key": key, "position": int(smp["position"]), "length": n, "greedy": key in greedy}
-            probs = sample_problems(smp, sources.get(skey), shape, dtype, finite=False)
-            row["store"] = [c for c, _ in probs]
-            if "shape" not in row["store"]:
-                k = (exact[key], *head_counts(n * token_bytes, hidden, positions))
-                row["shared_prefix"] = shared.get(skey, 0)
-                row.update(sample_figures(key, hs, smp["input_ids"], smp["loss_mask"], names, head, k, batch, i,
-                                          prompt_from=row["shared_prefix"]))
-                row["_tag"] = i
-                if key in picks:
+        for chunk, part in reader.chunks(CHUNK_BYTES):
+            hs_all, ids_all, mask_all = part["hidden_states"], part["input_ids"], part["loss_mask"]
+            todo = []  # (row, sample) of the samples whose states have the store's shape: their figures at once
+            for r in chunk:
+                a, n = r["at"], int(r["length"])
+                smp = {"length": n, "hidden_states": hs_all[a:a + n], "input_ids": ids_all[a:a + n],
+                       "loss_mask": mask_all[a:a + n]}
+                skey = SampleKey.of(r)
+                key = str(skey)
+                row: dict[str, Any] = {"key": key, "position": int(r["position"]), "length": n, "greedy": key in greedy}
+                probs = sample_problems(smp, sources.get(skey), shape, dtype, finite=False)
+                row["store"] = [c for c, _ in probs]
+                if "shape" not in row["store"]:
+                    row["shared_prefix"] = shared.get(skey, 0)
+                    todo.append((row, smp, a, len(rows)))
+                rows.append(row)
+            if not todo:
+                continue
+            figs = chunk_figures(hs_all, names, [(a, row["length"]) for row, _, a, _ in todo])
+            plan = [{"at": a, "length": row["length"], "key": row["key"], "tag": tag, "prompt_from": row["shared_prefix"],
+                     "k": (exact[row["key"]], *head_counts(row["length"] * token_bytes, hidden, positions))}
+                    for row, _, a, tag in todo]
+            heads = head_figures(hs_all, ids_all, mask_all, names, head, plan, batch)
+            for (row, smp, a, tag), fig, hfig in zip(todo, figs, heads):
+                row.update(fig)
+                row.update(hfig)
+                row["_tag"] = tag
+                if row["key"] in picks:
                     t1 = time.perf_counter()
                     ref = redo.run(smp["input_ids"].long()[None])[0].cpu()
-                    row["recompute"] = compare_states(hs, ref, names, info["dtype"])
+                    row["recompute"] = compare_states(smp["hidden_states"], ref, names, info["dtype"])
                     recompute_s += time.perf_counter() - t1
-            rows.append(row)
         batch.flush()
     finally:
         if redo is not None:

@@ -41,6 +41,7 @@ Z_OUT_FLOOR = 64
 Z_PROMPT_FLOOR = 64
 HEAD_FLOPS_PER_BYTE = 10.0
 HEAD_BATCH = 512  # positions per head GEMM, across samples
+REDUCE_BYTES = 2 * 2**20  # float32 bytes converted and reduced at once (within this CPU's 4 MiB L2; docs/04 "Cost")
 MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EXACT_PER_SAMPLE), the run's pooled mean
 # Logit z limits (mean over the sample's z positions; docs/04 "Thresholds"): per-sample means on the nbval fixture
 # store, output 5.72-6.77 clean against 1.44-3.17 shifted or swapped; prompt (after the prefix another sample
@@ -120,6 +121,7 @@ class Head:
     tensors: tuple[str, ...]
     origin: str = ""  # the head tensor's file, size and mtime: names its moments in the cache
     _moments: Any = field(default=None, repr=False)
+    _factor16: Any = field(default=None, repr=False)
 
     def norm(self, x: Any) -> Any:
         """The final RMSNorm of pre-norm states `[..., hidden]` (float32)."""
@@ -165,12 +167,16 @@ class Head:
     def logit_z(self, post: Any, targets: Any) -> Any:
         """Per row: (logit of the target - the vocabulary's mean logit) / the std of the vocabulary's logits, for
         post-norm states `[k, hidden]`; 2 x hidden^2 FLOPs per row instead of the whole head's 2 x hidden x vocab.
-        By Cantelli's inequality at most a share 1 / (1 + z^2) of the vocabulary scores at least the target."""
+        By Cantelli's inequality at most a share 1 / (1 + z^2) of the vocabulary scores at least the target.
+        The std's GEMM runs in bfloat16 (2.2-2.6x faster on this CPU, docs/04 "Cost"; its row norms are within
+        0.1% of float32's); the target's and the mean logit are float32."""
         import torch
 
         mean, factor = self.moments()
+        if self._factor16 is None:
+            self._factor16 = factor.to(torch.bfloat16)
         x = post.float()
-        sd = torch.linalg.vector_norm(x @ factor, dim=-1).clamp_min(1e-30)
+        sd = torch.linalg.vector_norm((x.to(torch.bfloat16) @ self._factor16).float(), dim=-1).clamp_min(1e-30)
         return ((x * self.lm_head[targets.long()]).sum(-1) - x @ mean) / sd
 
     def unit_rms(self, x: Any) -> Any:
@@ -290,45 +296,80 @@ def exact_plan(lengths: Sequence[int], outputs: Sequence[int], token_bytes: int,
     return got
 
 
-def stat_figures(hs: Any, names: Sequence[str]) -> tuple[dict[str, Any], Any]:
-    """The figures of one sample's states that need no head: finiteness, flat rows, duplicate layers, norm profile.
+def stat_figures(hs: Any, names: Sequence[str]) -> dict[str, Any]:
+    """`chunk_figures` of one sample."""
+    return chunk_figures(hs, names, [(0, len(hs))])[0]
 
-    Two reductions per row (sum and 2-norm) decide every figure; the element-wise tests run only on the
-    rows (or layer pairs) those sums cannot clear, so the verdicts are exact. Returns the figures and the
-    states as float32 (NaN/Inf zeroed) for the head.
+
+def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The figures that need no head, for each sample `(first row, rows)` of `spans` in the states `hs` [tokens, S,
+    hidden] of consecutive samples: finiteness, flat rows, duplicate layers, norm profile.
+
+    Two reductions per row (sum and 2-norm), over all the samples at once, decide every figure; the element-wise
+    tests run only on the rows (or layer pairs) those sums cannot clear, so the verdicts are exact (NaN and Inf
+    count as 0 in every figure but `nonfinite`). Returns the figures per span.
     """
+    import numpy as np
     import torch
 
-    x = hs.float()  # then float32 reductions: 1.6x faster than reducing the stored bf16 on this CPU (docs/04)
-    n, s, h = x.shape
-    s1 = x.sum(-1)  # [n, S]
-    nrm = torch.linalg.vector_norm(x, dim=-1)
-    out: dict[str, Any] = {"nonfinite": 0}
+    t, s, h = hs.shape
+    s1, nrm = torch.empty(t, s), torch.empty(t, s)
+    step = max(1, REDUCE_BYTES // (4 * s * h))  # rows per float32 block: converted and reduced while in cache
+    buf = torch.empty(min(t, step), s, h)
+    for a in range(0, t, step):  # converted, then reduced in float32: reducing the stored bf16 directly (sum and norm
+        # with dtype=float32) took 46 ms for the embedded store's 34 MB, these three 16 ms for 64 MB (2026-12-02)
+        x = buf[:min(step, t - a)]
+        x.copy_(hs[a:a + step])
+        torch.sum(x, -1, out=s1[a:a + step])
+        torch.linalg.vector_norm(x, dim=-1, out=nrm[a:a + step])
+    owner = torch.full((t,), -1, dtype=torch.long)  # the span of each row
+    for i, (a, n) in enumerate(spans):
+        owner[a:a + n] = i
+    nonfinite, flat = [0] * len(spans), [0] * len(spans)
+
+    def per_span(rows: Any, counts: Any, into: list[int]) -> None:  # add per-row counts to their spans'
+        for i, c in zip(owner[rows].tolist(), counts.tolist()):
+            if i >= 0:
+                into[i] += int(c)
+
     odd = ~(torch.isfinite(s1) & torch.isfinite(nrm))  # a NaN/Inf element makes its row's sums non-finite
     if bool(odd.any()):
-        out["nonfinite"] = int((~torch.isfinite(x[odd])).sum())
-        if out["nonfinite"]:
-            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-            s1, nrm = x.sum(-1), torch.linalg.vector_norm(x, dim=-1)
+        rows = odd.any(1).nonzero()[:, 0]
+        x = hs[rows].float()
+        per_span(rows, (~torch.isfinite(x)).sum((1, 2)), nonfinite)
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        s1[rows], nrm[rows] = x.sum(-1), torch.linalg.vector_norm(x, dim=-1)
     ms, mu = nrm.square() / h, s1 / h
     maybe_flat = (ms - mu.square()) <= 1e-4 * ms  # a constant row has (rounding-)zero variance; others do not
-    out["flat_rows"] = 0
     if bool(maybe_flat.any()):
-        flat = x[maybe_flat]
-        out["flat_rows"] = int((flat.amax(-1) == flat.amin(-1)).sum())
-    # equal layers have equal sums and norms up to the summation order's rounding: every pair at once, [S, S]
+        rows = maybe_flat.any(1).nonzero()[:, 0]
+        cand = torch.nan_to_num(hs[rows].float(), nan=0.0, posinf=0.0, neginf=0.0)
+        per_span(rows, ((cand.amax(-1) == cand.amin(-1)) & maybe_flat[rows]).sum(1), flat)
+    # equal layers have equal sums and norms up to the summation order's rounding: every pair of layers of every
+    # row at once [tokens, pairs], then per span whether all its rows agree (a running count of the rows that differ)
+    la, lb = torch.triu_indices(s, s, 1)
     tol = 1e-4 * (nrm * h ** 0.5)
-    same = (((s1[:, :, None] - s1[:, None, :]).abs() <= tol[:, :, None] + tol[:, None, :])
-            & ((nrm[:, :, None] - nrm[:, None, :]).abs() <= 1e-4 * (nrm[:, :, None] + nrm[:, None, :]))).all(0)
-    pairs = torch.triu(same, diagonal=1).nonzero().tolist()
-    out["duplicate_layers"] = [[names[a], names[b]] for a, b in pairs if torch.equal(hs[:, a], hs[:, b])]
-    rms = nrm / h ** 0.5
-    rest = rms[1:] if n > 1 else rms
-    med = rest.median(0).values.clamp_min(1e-30).tolist()
-    first = rms[0].clamp_min(1e-30).tolist()
-    out["log_rms"] = {names[i]: round(math.log(med[i]), 4) for i in range(s)}
-    out["row0"] = {names[i]: round(math.log(first[i] / med[i]), 4) for i in range(s)}
-    return out, x
+    differ = ~(((s1[:, la] - s1[:, lb]).abs() <= tol[:, la] + tol[:, lb])
+               & ((nrm[:, la] - nrm[:, lb]).abs() <= 1e-4 * (nrm[:, la] + nrm[:, lb])))
+    runs = torch.cat([torch.zeros(1, len(la), dtype=torch.int32), differ.to(torch.int32).cumsum(0, dtype=torch.int32)])
+    first = torch.tensor([a for a, _ in spans], dtype=torch.long)
+    last = torch.tensor([a + n for a, n in spans], dtype=torch.long)
+    dups: list[list[list[str]]] = [[] for _ in spans]
+    pairs = list(zip(la.tolist(), lb.tolist()))
+    for i, j in ((runs[last] - runs[first]) == 0).nonzero().tolist():  # (span, pair) with no row that differs
+        a, n = spans[i]
+        if torch.equal(hs[a:a + n, pairs[j][0]], hs[a:a + n, pairs[j][1]]):
+            dups[i].append([names[pairs[j][0]], names[pairs[j][1]]])
+    rms = (nrm / h ** 0.5).numpy()
+    out = []
+    for i, (a, n) in enumerate(spans):
+        rest = rms[a + 1:a + n] if n > 1 else rms[a:a + n]
+        med = np.maximum(np.partition(rest, (len(rest) - 1) // 2, axis=0)[(len(rest) - 1) // 2], 1e-30).tolist()
+        first_rms = np.maximum(rms[a], 1e-30).tolist()  # the lower median, as torch's median gives
+        out.append({"nonfinite": nonfinite[i], "flat_rows": flat[i], "duplicate_layers": dups[i],
+                    "log_rms": {names[j]: round(math.log(med[j]), 4) for j in range(s)},
+                    "row0": {names[j]: round(math.log(first_rms[j] / med[j]), 4) for j in range(s)}})
+    return out
 
 
 class HeadBatch:
@@ -379,9 +420,13 @@ class HeadBatch:
             rank = torch.zeros_like(et)
             if bool(miss.any()):
                 rank[miss] = (logits[miss] > tl[miss, None]).sum(1)  # a tie with the target's logit counts as a hit
+        sizes = [len(t) for _, _, t, _ in self.pending]
+        n_at = torch.tensor(sizes)
+        means = torch.segment_reduce(z, "mean", lengths=n_at).tolist()  # per entry at once: few small tensor calls
+        mins = torch.segment_reduce(z, "min", lengths=n_at).tolist()
         done = 0
-        for a, (tag, _, t, e) in zip(starts, self.pending):  # one entry per (sample, output|prompt), final once flushed
-            fig = _z_figures(z[a:a + len(t)])
+        for (tag, _, t, e), size, mean, low in zip(self.pending, sizes, means, mins):  # one entry per (sample,
+            fig = {"positions": size, "z_mean": round(mean, 3), "z_min": round(low, 3)}  # output|prompt), final
             if e:
                 fig |= _position_figures(rank[done:done + e], lp[done:done + e])
                 done += e
@@ -400,56 +445,67 @@ class HeadBatch:
         return {f"{prefix}_{k}": v for k, v in got.items()}
 
 
-def _z_figures(z: Any) -> dict[str, Any]:
-    return {"positions": len(z), "z_mean": round(float(z.mean()), 3), "z_min": round(float(z.min()), 3)}
-
-
 def _position_figures(rank: Any, lp: Any) -> dict[str, Any]:
     return {"exact_positions": len(rank), "top1": round(float((rank == 0).float().mean()), 4),
             "misses": int((rank > 0).sum()), "logprob_median": round(float(lp.median()), 4),
             "logprob_mean": round(float(lp.mean()), 4), "rank_median": int(rank.median())}
 
 
-def sample_figures(key: str, hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head | None,
-                   k: int | tuple[int, int, int], batch: HeadBatch | None = None, tag: Any = None,
-                   prompt_from: int = 0) -> dict[str, Any]:
-    """Every figure of one stored sample: finiteness, flat rows, layer duplicates, final kind, head, norm profile.
+def head_figures(hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head, samples: Sequence[dict[str, Any]],
+                 batch: HeadBatch | None = None) -> list[dict[str, Any]]:
+    """The head's figures of consecutive stored samples: the final state's kind and the head at sampled positions.
 
-    `hs` [n, S, H] in the store's order `names` (aux low, mid, high, then the final state(s)); `k`: (exact, output z,
-    prompt z) head positions (`exact_plan`, `head_counts`; 0 exact = none), or one count for all three (0 = all).
-    The exact output positions are a subset of the output z ones; the prompt ones start at `prompt_from`
-    (`unique_starts`). With `batch`, the head's positions are queued under `tag` and their figures come from
-    `batch.figures` once it is flushed; without, they are computed here.
+    `hs` [tokens, S, H], `ids`, `mask`: the stored states (the store's order `names`: aux low, mid, high, then the
+    final state(s)), ids and loss mask of the samples; per sample of `samples`: `at` (its first row), `length`,
+    `key`, `k` ((exact, output z, prompt z) head positions from `exact_plan` and `head_counts`, 0 exact = none; or one
+    count for all three, 0 = all), `prompt_from` (`unique_starts`) and `tag`. The exact output positions are a subset
+    of the output z ones; the prompt ones start at `prompt_from`. With `batch`, the head's positions are queued under
+    (tag, "out"|"prompt") and their figures come from `batch.figures` once it is flushed; without, they are computed
+    here. The final states at every chosen row are gathered, normed and judged for their kind at once.
     """
+    import numpy as np
     import torch
 
-    out, x = stat_figures(hs, names)
-    if head is None:
-        return out
     finals = {nm: i for i, nm in enumerate(names) if nm in ("pre_norm", "post_norm")}
-    k_exact, k_out, k_prompt = (k, k, k) if isinstance(k, int) else k
-    m = mask.tolist()
-    n = len(m)
-    out_at = positions(key, [t for t in range(n - 1) if m[t + 1]], k_out, first=True)
-    exact_at = positions(key + "#exact", out_at, k_exact, first=True) if k_exact or isinstance(k, int) else []
-    chosen = set(exact_at)
-    out_at = exact_at + [t for t in out_at if t not in chosen]  # the exact ones first: HeadBatch takes a prefix
-    prompt_at = positions(key + "#prompt", [t for t in range(prompt_from, n - 1) if not m[t + 1]], k_prompt)
-    at_all = out_at + prompt_at or list(range(n))
-    rows_all = torch.tensor(at_all, dtype=torch.long)
-    fin = x[rows_all][:, list(finals.values())].float()  # the final states at the head's rows, float32
+    m_all = np.asarray(mask)
+    plans, rows = [], []
+    for smp in samples:
+        a, n, key, k = smp["at"], smp["length"], smp["key"], smp["k"]
+        k_exact, k_out, k_prompt = (k, k, k) if isinstance(k, int) else k
+        nxt = m_all[a + 1:a + n]  # at position t the head predicts token t + 1
+        out_at = positions(key, np.flatnonzero(nxt).tolist(), k_out, first=True)
+        exact_at = positions(key + "#exact", out_at, k_exact, first=True) if k_exact or isinstance(k, int) else []
+        chosen = set(exact_at)
+        out_at = exact_at + [t for t in out_at if t not in chosen]  # the exact ones first: HeadBatch takes a prefix
+        prompt = np.flatnonzero(nxt == 0)
+        prompt_at = positions(key + "#prompt", prompt[prompt >= smp.get("prompt_from", 0)].tolist(), k_prompt)
+        at_all = out_at + prompt_at or list(range(n))
+        plans.append((out_at, len(exact_at), prompt_at, len(at_all)))
+        rows.append(torch.tensor(at_all, dtype=torch.long) + a)
+    rows_all = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    cols = torch.tensor(list(finals.values()), dtype=torch.long)
+    t, s, h = hs.shape
+    flat = hs.reshape(t * s, h).index_select(0, (rows_all[:, None] * s + cols[None]).reshape(-1))  # one gather
+    fin = torch.nan_to_num(flat.view(-1, len(cols), h).float(), nan=0.0, posinf=0.0, neginf=0.0)
     # the final state's kind, at the head's rows (a clean store gives a share of exactly 1 or 0 at any rows)
-    out["unit_rms_share"] = {nm: round(float(((head.unit_rms(fin[:, j]) - 1).abs() < UNIT_RMS_TOL).float().mean()), 4)
-                             for j, nm in enumerate(finals)}
-    post_all = fin[:, list(finals).index("post_norm")] if "post_norm" in finals else head.norm(fin[:, 0])
+    counts = torch.tensor([p[3] for p in plans], dtype=torch.long)
+    unit = ((head.unit_rms(fin) - 1).abs() < UNIT_RMS_TOL).float()
+    shares = torch.segment_reduce(unit, "mean", lengths=counts, axis=0).tolist() if len(plans) else []
+    post = fin[:, list(finals).index("post_norm")] if "post_norm" in finals else head.norm(fin[:, 0])
+    targets = ids[(rows_all + 1).clamp(max=max(len(ids) - 1, 0))]  # the next token (used at out/prompt rows only)
     own = batch is None
     batch = HeadBatch(head) if own else batch
-    for lo, at, prefix, exact in ((0, out_at, "out", len(exact_at)), (len(out_at), prompt_at, "prompt", 0)):
-        if at:
-            batch.add((tag, prefix), post_all[lo:lo + len(at)], ids[torch.tensor(at, dtype=torch.long) + 1], exact)
+    out, lo = [], 0
+    for smp, (out_at, n_exact, prompt_at, count), share in zip(samples, plans, shares):
+        for first, at, prefix, exact in ((lo, out_at, "out", n_exact), (lo + len(out_at), prompt_at, "prompt", 0)):
+            if at:
+                batch.add((smp["tag"], prefix), post[first:first + len(at)], targets[first:first + len(at)], exact)
+        out.append({"unit_rms_share": {nm: round(share[j], 4) for j, nm in enumerate(finals)}})
+        lo += count
     if own:
         batch.flush()
-        out.update(batch.figures((tag, "out"), "out") | batch.figures((tag, "prompt"), "prompt"))
+        for smp, fig in zip(samples, out):
+            fig.update(batch.figures((smp["tag"], "out"), "out") | batch.figures((smp["tag"], "prompt"), "prompt"))
     return out
 
 
