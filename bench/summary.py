@@ -95,6 +95,13 @@ SPEC: list[Figure] = [
     Figure("verify.speed", "04 verify-hidden without recompute, head on CPU, default positions (`bench_verify.py`)",
            "verify.json", "speed_vs_plain_read", "plain `HiddenReader` read of the same store, states to float32",
            0.5, rounds="speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.speed_long", "04 verify-hidden without recompute on longer samples (the embedded prompts at 2048 "
+           "new tokens, 3.2x the tokens; `bench_verify.py`)", "verify.json", "long_store.speed_vs_plain_read",
+           "plain `HiddenReader` read of the same store, states to float32", 0.5,
+           rounds="long_store.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.reduction_floor", "04 verify-hidden: every row converted and reduced (sum, 2-norm), the "
+           "per-byte floor of its figures (`bench_verify.py`)", "verify.json", "reduction_floor.plain_over_reduce",
+           "the same states converted to float32 (the plain read's work)", None, load="load_average_at_start.0"),
     Figure("verify.streaming", "04 verify-hidden: the streamed pass alone, without the once-per-verify setup "
            "(`bench_verify.py`)", "verify.json", "streaming_vs_plain_read",
            "the same read less opening the reader", None, load="load_average_at_start.0"),
@@ -272,6 +279,10 @@ def table(summary: dict[str, Any]) -> str:
     lines += ["", f"Measured at commit `{summary['commit']}`, {summary['written_at']}, {summary['cpus']} CPUs; "
               f"1-minute load when each bench began: {', '.join(f'{x:g}' for x in loads) or 'not recorded'} "
               f"(at the summary: {summary['load_1_5_15'][0]:g})."]
+    part = summary.get("partial")
+    if part:  # some rows re-measured alone (one bench re-run for a change): say which, where and when
+        lines[-1] += (f" Rows {', '.join(f'`{k}`' for k in part['rows'])} re-measured alone at commit `{part['commit']}`,"
+                      f" {part['written_at']} (load {part['load_1_5_15'][0]:g}).")
     return "\n".join(lines) + "\n"
 
 
