@@ -413,6 +413,13 @@ def test_sampled_records_are_judged_by_their_own_floors():
     rows = [{"greedy": False, "out_exact_positions": 1, "out_misses": 1, "out_logprob_mean": -7.0}] * 8
     assert run_head_problems(rows) == []
     assert {p["check"] for p in run_head_problems([r | {"greedy": True} for r in rows])} == {"head_top1", "head_logprob"}
+    from eagle3data.hidden.verify import _head_use  # the summary's pooled figures are the greedy records' too
+
+    mixed = [r | {"log_rms": {}} for r in rows] + [{"greedy": True, "log_rms": {}, "out_exact_positions": 3,
+                                                      "out_misses": 0, "out_logprob_mean": -0.5}]
+    use = _head_use(mixed)
+    assert use["pooled_greedy_logprob_mean"] == -0.5 and use["pooled_greedy_top1"] == 1.0
+    assert use["exact_positions"] == 11
 
 
 def test_prompt_positions_start_after_the_prefix_another_sample_shares():

@@ -276,12 +276,11 @@ def _head_use(rows: list[dict[str, Any]]) -> dict[str, Any]:
     got = [r for r in rows if "log_rms" in r]
     k = max(len(got), 1)
     exact, out, prompt = ([r.get(f, 0) for r in got] for f in ("out_exact_positions", "out_positions", "prompt_positions"))
-    gk, gmiss, _ = pooled_exact(got)
-    lp = sum(r["out_logprob_mean"] * r["out_exact_positions"] for r in got if r.get("out_exact_positions"))
+    gk, gmiss, glp = pooled_exact(got)  # the greedy records' (a sampled token's log-prob is the sampler's)
     return {"positions": sum(out) + sum(prompt), "exact_positions": sum(exact), "exact_mean": round(sum(exact) / k, 1),
             "out_mean": round(sum(out) / k, 1), "prompt_mean": round(sum(prompt) / k, 1),
             "pooled_greedy_top1": round(1 - gmiss / gk, 4) if gk else None,
-            "pooled_logprob_mean": round(lp / sum(exact), 4) if sum(exact) else None}
+            "pooled_greedy_logprob_mean": round(glp, 4) if glp is not None else None}
 
 
 def _write(path: Path, data: bytes) -> None:
