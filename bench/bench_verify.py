@@ -311,8 +311,9 @@ def power(p, cfg, draws: int = 20000) -> dict:
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader
     from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, MIN_OUT_Z, MIN_PROMPT_Z, TOP1_ALPHA,
-                                                 TOP1_CLEAN_MISS, Z_OUT_FLOOR, Z_PROMPT_FLOOR, binom_tail, load_head,
-                                                 top1_limit, unique_starts)
+                                                 TOP1_CLEAN_MISS, Z_OUT_FLOOR, Z_PROMPT_FLOOR, binom_tail, top1_limit,
+                                                 unique_starts)
+    from eagle3data.hidden.verify_head import load_head
 
     head = load_head(resolve_model_path(p.model.path), cfg)
     rd = HiddenReader(hidden_dir(p))

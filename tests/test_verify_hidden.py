@@ -23,7 +23,7 @@ from eagle3data.export.run import ExportError, export_format
 from eagle3data.hidden.extract import load_config, run_extract
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store import HiddenReader
-from eagle3data.hidden.verify_checks import load_head
+from eagle3data.hidden.verify_head import load_head
 from eagle3data.hidden.verify_run import BACKENDS, parse_recompute
 from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
 from eagle3data.core.models import resolve_model_path
@@ -310,10 +310,16 @@ def test_verification_uses_only_the_head_tensors_of_the_checkpoint(clean):
     assert tuple(head.lm_head.shape) == (49152, 576)
 
 
+def stat_figures(hs, names):
+    """`chunk_figures` of one sample (the states of one sample alone)."""
+    from eagle3data.hidden.verify_checks import chunk_figures
+
+    return chunk_figures(hs, names, [(0, len(hs))])[0]
+
+
 def test_the_fused_figures_equal_the_element_wise_ones():
-    """stat_figures decides flat rows, duplicate layers and NaN from two row sums, then checks only the suspects:
+    """chunk_figures decides flat rows, duplicate layers and NaN from two row sums, then checks only the suspects:
     the counts equal the element-wise ones on a tensor with each planted."""
-    from eagle3data.hidden.verify_checks import stat_figures
 
     g = torch.Generator().manual_seed(0)
     hs = (torch.randn(40, 5, 96, generator=g) * 3).to(torch.bfloat16)
@@ -336,7 +342,7 @@ def test_the_fused_figures_equal_the_element_wise_ones():
 def test_many_samples_reduced_at_once_give_each_its_own_figures():
     """chunk_figures over consecutive samples (as verify reduces a chunk of the store) gives every sample exactly
     the figures it has alone, so a defect planted in one sample shows in that sample and no other."""
-    from eagle3data.hidden.verify_checks import chunk_figures, stat_figures
+    from eagle3data.hidden.verify_checks import chunk_figures
 
     g = torch.Generator().manual_seed(1)
     names = ("aux_low", "aux_mid", "aux_high", "pre_norm", "post_norm")
@@ -487,7 +493,7 @@ def test_the_head_applies_the_models_own_final_norm_kind(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from eagle3data.hidden.verify_checks import load_head
+    from eagle3data.hidden.verify_head import load_head
 
     w = torch.linspace(-0.5, 0.5, 8)
     save_file({"model.norm.weight": w, "lm_head.weight": torch.randn(16, 8)}, str(tmp_path / "model.safetensors"))

@@ -1,7 +1,7 @@
 """The kind of a model's final norm, by its config's `model_type`: `rms` (w·x/rms(x)) or `rms_1p` ((1+w)·x/rms(x)).
 
 One table for the two places that apply the final norm outside the model: the vLLM backend's post-norm state
-(`vllm_capture.final_norm`) and verify-hidden's head (`verify_checks.load_head`). Checked against
+(`vllm_capture.final_norm`) and verify-hidden's head (`verify_head.load_head`). Checked against
 transformers' own norm classes in tests/test_hidden_vllm.py.
 """
 

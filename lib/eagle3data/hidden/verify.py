@@ -2,7 +2,7 @@
 
 One streamed pass over the store (through `HiddenReader`, each shard read once) computes the
 figures of every sample (`verify_checks.chunk_figures`, many samples' states reduced at once:
-finiteness, flat rows, duplicate layers, the norm profile; `head_figures`: the final state's kind,
+finiteness, flat rows, duplicate layers, the norm profile; `verify_head.head_figures`: the final state's kind,
 the target's head at sampled positions, batched across samples) and
 the store checks that 04's validation has always made (shape, ids, mask, coverage); samples
 picked for recompute are run through the target again by a recompute backend and compared
@@ -30,11 +30,10 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
-from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, HeadBatch, VerifyError,
-                                             compare_states, exact_plan, head_counts, judge, load_head, pooled_exact,
-                                             profile_stats, recompute_failed, run_head_problems, chunk_figures,
-                                             head_figures,
-                                             top1_limit, unique_starts)
+from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, VerifyError, chunk_figures,
+                                             compare_states, exact_plan, head_counts, judge, pooled_exact, profile_stats,
+                                             recompute_failed, run_head_problems, top1_limit, unique_starts)
+from eagle3data.hidden.verify_head import HeadBatch, head_figures, load_head
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
