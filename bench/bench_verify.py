@@ -13,7 +13,8 @@ the whole head and of the logit z for this model and for a Kimi-sized one (hidde
 are linear in it), a Kimi head's moments (once per checkpoint), and the detection power of the
 floors (`power`).
 
-Stores: the embedded run's (`outputs/embedded/hidden`, from `make run`; without one, the nbval
+Stores: the embedded run's (`outputs/embedded/hidden`, from `make run`, verified as hard links under
+outputs/bench/verify_embedded so the run itself is left as it was; without one, the nbval
 fixture records are extracted once into outputs/bench/verify_run), and `long_store`: the embedded
 prompts generated at 2048 new tokens and extracted once into outputs/bench/verify_long (about
 7 minutes the first time), whose samples are longer. `reduction_floor`: the per-byte cost of
@@ -38,8 +39,23 @@ def store_params():
 
     real = REPO / "outputs" / "embedded"
     if (real / "hidden" / "index.json").exists():
-        return params_of_run(real), "outputs/embedded (make run)"
+        return params_of_run(linked_copy(real, OUT / "verify_embedded" / real.name)), "outputs/embedded (make run)"
     return fixture_params()
+
+
+def linked_copy(run: Path, dst: Path) -> Path:
+    """The run's folder as hard links under outputs/bench, made afresh: verify writes its lines, summary and index entry
+    there (each by an atomic replace, so a link's target, the user's run, is never written), not into the run."""
+    shutil.rmtree(dst, ignore_errors=True)
+
+    def link(src: str, to: str) -> None:
+        try:
+            os.link(src, to)
+        except OSError:  # another file system: a copy
+            shutil.copy2(src, to)
+
+    shutil.copytree(run, dst, copy_function=link)
+    return dst
 
 
 def fixture_params():
