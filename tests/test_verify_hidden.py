@@ -502,3 +502,25 @@ def test_the_head_applies_the_models_own_final_norm_kind(tmp_path):
         head = load_head(tmp_path, SimpleNamespace(model_type=model_type, rms_norm_eps=1e-6))
         want = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * mult
         torch.testing.assert_close(head.norm(x), want)
+
+
+def test_the_bench_verifies_a_linked_copy_and_leaves_the_run_as_it_was(clean, tmp_path):
+    """bench_verify measures the embedded run through hard links (`linked_copy`): verify's writes (lines, summary,
+    index.json's entry) land in the copy; the run's own files keep their bytes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_verify_module", REPO / "bench" / "bench_verify.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    p = _copy(clean, tmp_path)
+    _verify(p)  # the run as make run leaves it: verified once
+    hdir = hidden_dir(p)
+    before = {f.name: f.read_bytes() for f in hdir.iterdir() if f.is_file()}
+    dst = bench.linked_copy(p.run_dir, tmp_path / "bench" / p.run_name)
+    assert (dst / "hidden" / "index.json").stat().st_ino == (hdir / "index.json").stat().st_ino  # links, not copies
+    q = load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
+                    {"output_root": str(tmp_path / "bench"), "hidden.probe_batches": 0, "hidden.verify_after": False})
+    res = _verify(q)
+    assert res.ok and res.lines_path.parent == dst / "hidden"
+    assert {f.name: f.read_bytes() for f in hdir.iterdir() if f.is_file()} == before
+    assert (dst / "hidden" / "index.json").read_bytes() != before["index.json"]  # its own verified_at
