@@ -180,7 +180,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
             plan = [{"at": a, "length": row["length"], "key": row["key"], "tag": tag, "prompt_from": row["shared_prefix"],
                      "k": (exact[row["key"]], *head_counts(row["length"] * token_bytes, hidden, positions))}
                     for row, _, a, tag in todo]
-            heads = head_figures(hs_all, ids_all, mask_all, names, head, plan, batch)
+            heads = head_figures(hs_all, ids_all, mask_all, names, head, plan, batch,
+                                 finite=not any(f["nonfinite"] for f in figs))
             for (row, smp, a, tag), fig, hfig in zip(todo, figs, heads):
                 row.update(fig)
                 row.update(hfig)

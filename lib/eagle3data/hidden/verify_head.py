@@ -21,6 +21,7 @@ from eagle3data.hidden.norms import known_norm_kind
 from eagle3data.hidden.verify_checks import UNIT_RMS_TOL, VerifyError, positions
 
 HEAD_BATCH = 512  # positions per head GEMM, across samples
+UNIT_ROWS = 32  # rows per sample at which the final state's kind is judged (`head_figures`)
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
@@ -237,7 +238,7 @@ def _position_figures(rank: Any, lp: Any) -> dict[str, Any]:
 
 
 def head_figures(hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head, samples: Sequence[dict[str, Any]],
-                 batch: HeadBatch | None = None) -> list[dict[str, Any]]:
+                 batch: HeadBatch | None = None, finite: bool = False) -> list[dict[str, Any]]:
     """The head's figures of consecutive stored samples: the final state's kind and the head at sampled positions.
 
     `hs` [tokens, S, H], `ids`, `mask`: the stored states (the store's order `names`: aux low, mid, high, then the
@@ -246,7 +247,9 @@ def head_figures(hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head,
     count for all three, 0 = all), `prompt_from` (`unique_starts`) and `tag`. The exact output positions are a subset
     of the output z ones; the prompt ones start at `prompt_from`. With `batch`, the head's positions are queued under
     (tag, "out"|"prompt") and their figures come from `batch.figures` once it is flushed; without, they are computed
-    here. The final states at every chosen row are gathered, normed and judged for their kind at once.
+    here. The final states at every chosen row are gathered and normed at once; their kind is judged at the first
+    UNIT_ROWS of each sample's rows. `finite`: the caller knows these states hold no NaN or Inf (`chunk_figures` found
+    none), so they are not cleaned (NaN and Inf count as 0 otherwise).
     """
     import numpy as np
     import torch
@@ -271,11 +274,16 @@ def head_figures(hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head,
     cols = torch.tensor(list(finals.values()), dtype=torch.long)
     t, s, h = hs.shape
     flat = hs.reshape(t * s, h).index_select(0, (rows_all[:, None] * s + cols[None]).reshape(-1))  # one gather
-    fin = torch.nan_to_num(flat.view(-1, len(cols), h).float(), nan=0.0, posinf=0.0, neginf=0.0)
-    # the final state's kind, at the head's rows (a clean store gives a share of exactly 1 or 0 at any rows)
-    counts = torch.tensor([p[3] for p in plans], dtype=torch.long)
-    unit = ((head.unit_rms(fin) - 1).abs() < UNIT_RMS_TOL).float()
-    shares = torch.segment_reduce(unit, "mean", lengths=counts, axis=0).tolist() if len(plans) else []
+    fin = flat.view(-1, len(cols), h).float()
+    if not finite:
+        torch.nan_to_num_(fin, nan=0.0, posinf=0.0, neginf=0.0)
+    # the final state's kind at the first UNIT_ROWS head rows of each sample (a clean store gives a share of exactly 1
+    # or 0 at any rows; every row of the state changes kind when a whole state is stored as the other kind)
+    counts = [min(p[3], UNIT_ROWS) for p in plans]
+    firsts = [0] + [p[3] for p in plans][:-1]
+    pick = torch.cat([torch.arange(c) + a for c, a in zip(counts, np.cumsum(firsts).tolist())]) if plans else None
+    unit = ((head.unit_rms(fin[pick]) - 1).abs() < UNIT_RMS_TOL).float() if plans else None
+    shares = torch.segment_reduce(unit, "mean", lengths=torch.tensor(counts), axis=0).tolist() if plans else []
     post = fin[:, list(finals).index("post_norm")] if "post_norm" in finals else head.norm(fin[:, 0])
     targets = ids[(rows_all + 1).clamp(max=max(len(ids) - 1, 0))]  # the next token (used at out/prompt rows only)
     own = batch is None
