@@ -17,8 +17,11 @@ Stores: the embedded run's (`outputs/embedded/hidden`, from `make run`, verified
 outputs/bench/verify_embedded so the run itself is left as it was; without one, the nbval
 fixture records are extracted once into outputs/bench/verify_run), and `long_store`: the embedded
 prompts generated at 2048 new tokens and extracted once into outputs/bench/verify_long (about
-7 minutes the first time), whose samples are longer. `reduction_floor`: the per-byte cost of
-converting and reducing every row against converting it, the bound of this design's figures.
+7 minutes the first time), whose samples are longer. `per_byte`: what the longer store costs beyond
+the embedded one, verify against the read: the per-byte ratio that a store much larger than the
+fixed work of a verification (setup, the whole head's one GEMM) reaches, and the store size at
+which the whole verification reaches 0.5x. `reduction_floor`: the per-byte cost of converting
+and reducing every row against converting it, the bound of this design's figures.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def reduction_floor(hdir: Path, rounds: int = 5) -> dict:
     return {**best, "plain_over_reduce": round(best["float32_s"] / best["reduce_s"], 3)}
 
 
-def measure(p, cfg, scratch: Path, rounds: int = 3) -> dict:
+def measure(p, cfg, scratch: Path, rounds: int = 5) -> dict:
     """verify_store without recompute against plain reading of the same store, rounds alternating, best of each."""
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader
@@ -170,6 +173,31 @@ def measure(p, cfg, scratch: Path, rounds: int = 3) -> dict:
                    "reader_open_s": [round(x, 4) for x in opens]},
         "_rest_s": rest_s, "_read_s_per_token": min(base) / tokens, "_verify_s": min(ours),
     }
+
+
+def per_byte(small: dict, large: dict) -> dict:
+    """What the larger store costs beyond the smaller one, verify against the plain read (both `measure`d in this run):
+    the per-byte speed, which is the ratio a store far larger than the head and the run's fixed work tends to (the
+    work done once per verification is the intercept of its line), and, from the two lines, the store size at which
+    the whole verification reaches 0.5x. The larger store also has more samples, so its slope carries their
+    per-sample work too (a bound from above on verify's per-byte cost)."""
+    db = large["store_bytes"] - small["store_bytes"]
+
+    def line(key: str) -> tuple[float, float]:  # (seconds per byte, seconds at zero bytes)
+        slope = (large[key] - small[key]) / db
+        return slope, small[key] - slope * small["store_bytes"]
+
+    (v_slope, v_fixed), (r_slope, r_fixed) = line("verify_s"), line("plain_read_s")
+    rs, rl = small["rounds"], large["rounds"]
+    per_round = [(b2 - b1) / (v2 - v1) for b1, v1, b2, v2 in  # round i of one store against round i of the other
+                 zip(rs["plain_read_s"], rs["verify_s"], rl["plain_read_s"], rl["verify_s"]) if v2 > v1]
+    half = (0.5 * v_fixed - r_fixed) / (r_slope - 0.5 * v_slope) if r_slope > 0.5 * v_slope else None
+    return {"speed_vs_plain_read": round(r_slope / v_slope, 4) if v_slope > 0 else None,
+            "speed_vs_plain_read_per_round": [round(x, 4) for x in per_round],
+            "extra_bytes": db, "extra_samples": large["samples"] - small["samples"],
+            "verify_s_per_gb": round(v_slope * 1e9, 4), "plain_read_s_per_gb": round(r_slope * 1e9, 4),
+            "verify_fixed_s": round(v_fixed, 4), "plain_read_fixed_s": round(r_fixed, 4),
+            "store_bytes_for_half_speed": None if half is None else int(max(half, 0))}
 
 
 def plain_read(hdir: Path) -> int:
@@ -278,6 +306,8 @@ def main() -> int:
         "z_prompt_floor": Z_PROMPT_FLOOR, "head_flops_per_byte": HEAD_FLOPS_PER_BYTE, "goal": ">= 0.5",
         **{k: v for k, v in m.items() if k not in private},
         "long_store": {"store": long_where, **{k: v for k, v in ml.items() if k not in private}},
+        # the longer store beyond the embedded one: the per-byte ratio a store much larger than the fixed work reaches
+        "per_byte": per_byte(m, ml),
         # the per-byte floor of this design: converting and reducing every row, against converting it (the plain read)
         "reduction_floor": reduction_floor(hidden_dir(lp)),
         "verify_ok": bool(m["verify_ok"] and ml["verify_ok"] and full.ok),

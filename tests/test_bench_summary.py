@@ -93,3 +93,28 @@ def test_a_planted_2x_slowdown_of_one_check_is_flagged(tmp_path, monkeypatch):
     found = summary.regressions(now, base)
     assert [x.split(":")[0] for x in found] == ["REGRESSION audit.in_memory"], (as_is, slowed)
     assert summary.regressions(base, base) == []
+
+
+def test_the_per_byte_ratio_is_the_slope_of_two_stores_and_gives_the_half_speed_size():
+    """bench_verify's `per_byte`: from two stores measured in one run, verify's and the read's lines (fixed work +
+    seconds per byte); their slopes' ratio is what a store far larger than the fixed work reaches, and the size at
+    which the whole verification reaches 0.5x lies on both lines."""
+    bench = _load("bench_verify")
+    verify = lambda b: 0.040 + 0.15e-9 * b  # noqa: E731  (fixed 40 ms, 0.15 s per GB)
+    read = lambda b: 0.003 + 0.12e-9 * b  # noqa: E731
+
+    def store(b: int, samples: int, wobble: list[float]) -> dict:
+        return {"store_bytes": b, "samples": samples, "plain_read_s": read(b), "verify_s": verify(b),
+                "rounds": {"plain_read_s": [read(b)] * len(wobble), "verify_s": [verify(b) + w for w in wobble]}}
+
+    got = bench.per_byte(store(34_000_000, 23, [0.0, 0.0, 0.0]), store(110_000_000, 28, [0.0, 0.002, -0.02]))
+    assert got["speed_vs_plain_read"] == pytest.approx(0.12 / 0.15, abs=1e-4)
+    assert got["verify_fixed_s"] == pytest.approx(0.040, abs=1e-4) and got["plain_read_fixed_s"] == pytest.approx(0.003)
+    assert got["extra_bytes"] == 76_000_000 and got["extra_samples"] == 5
+    half = got["store_bytes_for_half_speed"]
+    assert read(half) / verify(half) == pytest.approx(0.5, abs=1e-3)
+    assert read(2 * half) / verify(2 * half) > 0.5 > read(half / 2) / verify(half / 2)
+    # a round whose larger store verified faster than the smaller one says nothing of a slope: left out
+    assert len(got["speed_vs_plain_read_per_round"]) == 2
+    slow = bench.per_byte(store(34_000_000, 23, [0.0]), {**store(110_000_000, 28, [0.0]), "verify_s": verify(110e6) + 0.1})
+    assert slow["store_bytes_for_half_speed"] is None  # verify's slope more than twice the read's: never 0.5x
