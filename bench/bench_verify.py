@@ -17,10 +17,10 @@ Stores: the embedded run's (`outputs/embedded/hidden`, from `make run`, verified
 outputs/bench/verify_embedded so the run itself is left as it was; without one, the nbval
 fixture records are extracted once into outputs/bench/verify_run), and `long_store`: the embedded
 prompts generated at 2048 new tokens and extracted once into outputs/bench/verify_long (about
-7 minutes the first time), whose samples are longer. `per_byte`: what the longer store costs beyond
-the embedded one, verify against the read (both stores in every round, `interleaved`): the per-byte ratio that a store much larger than the
-fixed work of a verification (setup, the whole head's one GEMM) reaches, and the store size at
-which the whole verification reaches 0.5x. `reduction_floor`: the per-byte cost of converting
+7 minutes the first time), whose samples are longer. `per_byte`: what the longer store costs
+beyond the embedded one, verify against the read (both stores in every round, `interleaved`):
+the per-byte ratio that a store much larger than a verification's fixed work (setup, the whole
+head's one GEMM) reaches, and the store size at which the whole verification reaches 0.5x. `reduction_floor`: the per-byte cost of converting
 and reducing every row against converting it, the bound of this design's figures.
 """
 
@@ -205,7 +205,7 @@ def interleaved(stores: list, rounds: int = 9) -> list[dict]:
 
 
 def per_byte(small: dict, large: dict) -> dict:
-    """What the larger store costs beyond the smaller one, verify against the plain read (both `measure`d in this run):
+    """What the larger store costs beyond the smaller one, verify against the plain read (both from `interleaved`):
     the per-byte speed, which is the ratio a store far larger than the head and the run's fixed work tends to (the
     work done once per verification is the intercept of its line), and, from the two lines, the store size at which
     the whole verification reaches 0.5x. The larger store also has more samples, so its slope carries their
