@@ -99,6 +99,14 @@ SPEC: list[Figure] = [
            "new tokens, 3.2x the tokens; `bench_verify.py`)", "verify.json", "long_store.speed_vs_plain_read",
            "plain `HiddenReader` read of the same store, states to float32", 0.5,
            rounds="long_store.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.from_storage", "04 verify-hidden without recompute, the embedded store read from storage (its "
+           "files evicted from the page cache before each run; `bench_verify.py`)", "verify.json",
+           "from_storage.speed_vs_plain_read", "plain `HiddenReader` read of the same store from storage", 0.5,
+           rounds="from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.from_storage_long", "04 verify-hidden without recompute, the longer samples read from storage "
+           "(`bench_verify.py`)", "verify.json", "long_store.from_storage.speed_vs_plain_read",
+           "plain `HiddenReader` read of the same store from storage", 0.5,
+           rounds="long_store.from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
     Figure("verify.per_byte", "04 verify-hidden per byte: the longer store beyond the embedded one, the ratio a store "
            "much larger than a verification's fixed work tends to (`bench_verify.py`)", "verify.json",
            "per_byte.speed_vs_plain_read", "the plain read's cost beyond the embedded store", None,

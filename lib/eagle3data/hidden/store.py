@@ -31,6 +31,7 @@ from eagle3data.core.atomic import atomic_path, write_atomic
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import RunParams
 from eagle3data.core.quant import StateCodec
+from eagle3data.core.readahead import will_need
 from eagle3data.core.reader import Sample, SampleKey
 from eagle3data.hidden.mix import Mix, hidden_dir, read_mix, source_sequences, tmp_tag
 from eagle3data.trainers.base import AUX_STATES, Trainer
@@ -399,6 +400,11 @@ class HiddenReader:
         self.codec = StateCodec.of_info(self.info, len(self.states))
         self.dtype = _torch_dtype(self.info.get("dtype", "bfloat16"))  # 8-bit stores are dequantized to it
 
+    def prefetch(self, files: int = 2) -> None:
+        """Start the kernel reading the first `files` files of the store (`will_need`), so work done before the first
+        sample is read (a verification's setup) overlaps the disk."""
+        will_need(*(self.dir / f for f in list(dict.fromkeys(self.index["shard"].tolist()))[:files]))
+
     def row(self, key: str | SampleKey) -> int | None:
         """The row number (mix order) of a stored sample's key, or None when it is not stored."""
         return self._rows.get(str(key))
@@ -478,14 +484,17 @@ class HiddenReader:
         cols = list(self.index.columns)
         records = [dict(zip(cols, v)) for v in zip(*(self.index[c].tolist() for c in cols))]  # 3x pandas' to_dict
         if self.layout != "shards":
-            for row in records:
+            for i, row in enumerate(records):
+                will_need(*(self.dir / r["shard"] for r in records[i + 1:i + 2]))  # the next file, while this is used
                 yield [{**row, "at": 0}], self._read_file(self.dir / row["shard"])
             return
         per_token = max(self.codec.bytes_per_token(int(self.info["hidden_size"])), 1)
         by_shard: dict[str, list[dict[str, Any]]] = {}
         for row in records:
             by_shard.setdefault(row["shard"], []).append(row)
-        for shard in sorted(by_shard):
+        order = sorted(by_shard)
+        for i, shard in enumerate(order):
+            will_need(*(self.dir / f for f in order[i:i + 2]))  # this shard and the next, read ahead by the kernel
             t = load_file(str(self.dir / shard))  # memory-mapped: the bytes are read as the states are used
             block = {k: t[k] for k in self.codec.block_tensors()}
             run: list[dict[str, Any]] = []

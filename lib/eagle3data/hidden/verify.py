@@ -129,6 +129,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     t0 = time.perf_counter()
     hdir = hidden_dir(params)
     reader = HiddenReader(hdir)
+    reader.prefetch()  # the store's first files come from disk while the records, the mix and the head are read
     info = reader.info
     names = reader.states
     dtype = _torch_dtype(info["dtype"])
