@@ -76,23 +76,32 @@ def test_table_and_readme_markers_round_trip(tmp_path):
 
 
 def test_a_planted_2x_slowdown_of_one_check_is_flagged(tmp_path, monkeypatch):
-    """bench_audit's in-memory figure, measured twice in this test: as it is, then with one check (the
-    structural id checks) doing its work twice; the comparison of the second with the first flags it."""
+    """bench_audit's in-memory figure, measured as it is, then with one check (the structural id checks) doing its
+    work twice; the comparison of the second with the first flags it. The plant halves the ratio (about 98x to 51x
+    here), so only a round spread over about 47% hides it: a pair measured in such a noisy moment (seen once in a
+    multi-file run) is measured once more, and that second pair must flag it."""
     bench = _load("bench_audit")
     spec = [f for f in summary.SPEC if f.name == "audit.in_memory"]
-    as_is = {"in_memory": bench.in_memory(8000, 5)}
     fn = bench.audit_run.structural_checks
 
     def twice(*args, **kwargs):
         fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    monkeypatch.setattr(bench.audit_run, "structural_checks", twice)
-    slowed = {"in_memory": bench.in_memory(8000, 5)}
-    base, now = _summary_of(tmp_path, "base", as_is, spec), _summary_of(tmp_path, "slow", slowed, spec)
-    found = summary.regressions(now, base)
-    assert [x.split(":")[0] for x in found] == ["REGRESSION audit.in_memory"], (as_is, slowed)
-    assert summary.regressions(base, base) == []
+    pairs = []
+    for attempt in range(2):
+        monkeypatch.setattr(bench.audit_run, "structural_checks", fn)
+        as_is = {"in_memory": bench.in_memory(8000, 5)}
+        monkeypatch.setattr(bench.audit_run, "structural_checks", twice)
+        slowed = {"in_memory": bench.in_memory(8000, 5)}
+        base = _summary_of(tmp_path, f"base{attempt}", as_is, spec)
+        now = _summary_of(tmp_path, f"slow{attempt}", slowed, spec)
+        found = summary.regressions(now, base)
+        pairs.append((as_is["in_memory"]["speedup_per_round"], slowed["in_memory"]["speedup_per_round"], found))
+        assert summary.regressions(base, base) == []
+        if found:
+            break
+    assert [x.split(":")[0] for x in pairs[-1][2]] == ["REGRESSION audit.in_memory"], pairs
 
 
 def test_the_per_byte_ratio_is_the_slope_of_two_stores_and_gives_the_half_speed_size():
