@@ -181,12 +181,9 @@ def measure(p, cfg, scratch: Path, rounds: int = 5) -> dict:
 def evict(hdir: Path) -> None:
     """Drop the store's state files from the page cache (POSIX_FADV_DONTNEED: clean pages no process maps), so the
     next read of them comes from storage, as a store of many GB does. The records, index and head stay cached."""
-    for f in sorted(x for sub in ("shards", "samples") for x in (hdir / sub).rglob("*") if x.is_file()):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from eagle3data.core.readahead import advise
+
+    advise(os.POSIX_FADV_DONTNEED, *(x for sub in ("shards", "samples") for x in (hdir / sub).rglob("*") if x.is_file()))
 
 
 def from_storage(p, cfg, scratch: Path, warm_read_s: float, rounds: int = 5) -> dict:

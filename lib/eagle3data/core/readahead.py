@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 
-def will_need(*paths: str | Path) -> None:
-    """POSIX_FADV_WILLNEED on each whole file: the kernel starts reading it now and returns at once. A no-op where the
-    platform has no posix_fadvise (macOS) or a file cannot be opened."""
+def advise(advice: int, *paths: str | Path) -> None:
+    """posix_fadvise(`advice`) on each whole file (os.POSIX_FADV_*). A no-op where the platform has no posix_fadvise
+    (macOS) or a file cannot be opened."""
     if not hasattr(os, "posix_fadvise"):
         return
     for path in paths:
@@ -18,8 +18,14 @@ def will_need(*paths: str | Path) -> None:
         except OSError:
             continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, 0, 0, advice)
         except OSError:
             pass
         finally:
             os.close(fd)
+
+
+def will_need(*paths: str | Path) -> None:
+    """POSIX_FADV_WILLNEED on each whole file: the kernel starts reading it now and returns at once."""
+    if hasattr(os, "POSIX_FADV_WILLNEED"):
+        advise(os.POSIX_FADV_WILLNEED, *paths)

@@ -400,10 +400,15 @@ class HiddenReader:
         self.codec = StateCodec.of_info(self.info, len(self.states))
         self.dtype = _torch_dtype(self.info.get("dtype", "bfloat16"))  # 8-bit stores are dequantized to it
 
+    def files(self) -> list[str]:
+        """The store's files in the order `chunks` reads them: shards sorted by name, per-sample files in mix order."""
+        names = self.index["shard"].tolist()
+        return sorted(set(names)) if self.layout == "shards" else names
+
     def prefetch(self, files: int = 2) -> None:
-        """Start the kernel reading the first `files` files of the store (`will_need`), so work done before the first
+        """Start the kernel reading the first `files` files `chunks` reads (`will_need`), so work done before the first
         sample is read (a verification's setup) overlaps the disk."""
-        will_need(*(self.dir / f for f in list(dict.fromkeys(self.index["shard"].tolist()))[:files]))
+        will_need(*(self.dir / f for f in self.files()[:files]))
 
     def row(self, key: str | SampleKey) -> int | None:
         """The row number (mix order) of a stored sample's key, or None when it is not stored."""
@@ -492,7 +497,7 @@ class HiddenReader:
         by_shard: dict[str, list[dict[str, Any]]] = {}
         for row in records:
             by_shard.setdefault(row["shard"], []).append(row)
-        order = sorted(by_shard)
+        order = self.files()
         for i, shard in enumerate(order):
             will_need(*(self.dir / f for f in order[i:i + 2]))  # this shard and the next, read ahead by the kernel
             t = load_file(str(self.dir / shard))  # memory-mapped: the bytes are read as the states are used
