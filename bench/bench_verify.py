@@ -186,23 +186,34 @@ def evict(hdir: Path) -> None:
     advise(os.POSIX_FADV_DONTNEED, *(x for sub in ("shards", "samples") for x in (hdir / sub).rglob("*") if x.is_file()))
 
 
-def from_storage(p, cfg, scratch: Path, warm_read_s: float, rounds: int = 5) -> dict:
-    """verify_store without recompute against plain reading, each with the store's files evicted from the page cache
-    first (`evict`), rounds alternating, best of each: the two as they run on a store read from disk."""
+def timed_rounds(stores: list, scratch: Path, rounds: int, cold: bool = False) -> list[dict]:
+    """Per store (`(params, config)`): the plain read's and verify_store's (without recompute) times over `rounds`,
+    the stores alternating within every round so that a slower spell of the shared CPU falls on all of them; `cold`:
+    the store's files evicted from the page cache before each read and each verification (`evict`)."""
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
 
-    hdir = hidden_dir(p)
-    base, ours = [], []
+    got = [{"plain_read_s": [], "verify_s": []} for _ in stores]
     for _ in range(rounds):
-        evict(hdir)
-        t0 = time.perf_counter()
-        plain_read(hdir)
-        base.append(time.perf_counter() - t0)
-        evict(hdir)
-        t0 = time.perf_counter()
-        verify_store(p, config=cfg, recompute=0, positions=DEFAULT_POSITIONS, out=scratch)
-        ours.append(time.perf_counter() - t0)
+        for (p, cfg), g in zip(stores, got):
+            hdir = hidden_dir(p)
+            for key, run in (("plain_read_s", lambda: plain_read(hdir)),
+                             ("verify_s", lambda: verify_store(p, config=cfg, recompute=0, positions=DEFAULT_POSITIONS,
+                                                               out=scratch))):
+                if cold:
+                    evict(hdir)
+                t0 = time.perf_counter()
+                res = run()
+                g[key].append(time.perf_counter() - t0)
+            g["samples"] = res.summary["samples"]
+    return got
+
+
+def from_storage(p, cfg, scratch: Path, warm_read_s: float, rounds: int = 5) -> dict:
+    """verify_store without recompute against plain reading, each with the store's files evicted from the page cache
+    first (`evict`), rounds alternating, best of each: the two as they run on a store read from disk."""
+    g = timed_rounds([(p, cfg)], scratch, rounds, cold=True)[0]
+    base, ours = g["plain_read_s"], g["verify_s"]
     return {"plain_read_s": round(min(base), 4), "verify_s": round(min(ours), 4),
             "speed_vs_plain_read": round(min(base) / min(ours), 4),
             "speed_vs_plain_read_per_round": [round(b / o, 4) for b, o in zip(base, ours)],
@@ -211,29 +222,15 @@ def from_storage(p, cfg, scratch: Path, warm_read_s: float, rounds: int = 5) -> 
             "rounds": {"plain_read_s": [round(x, 4) for x in base], "verify_s": [round(x, 4) for x in ours]}}
 
 
-def interleaved(stores: list, rounds: int = 9) -> list[dict]:
-    """Plain read and verify of each store (`(params, config)`), the stores alternating within every round, so that
-    a slower spell of the shared CPU falls on all of them: per store its bytes, samples, best times and rounds."""
+def interleaved(stores: list, scratch: Path, rounds: int = 9) -> list[dict]:
+    """Plain read and verify of each store (`timed_rounds`, the page cache and the head's moments warmed first): per
+    store its bytes, samples, best times and rounds."""
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader
-    from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
 
-    scratch = OUT / "verify_lines.jsonl"
-    got = [{"plain_read_s": [], "verify_s": []} for _ in stores]
-    for p, cfg in stores:  # warm: the page cache, the head's moments
-        plain_read(hidden_dir(p))
-        verify_store(p, config=cfg, recompute=0, positions=DEFAULT_POSITIONS, out=scratch)
-    for _ in range(rounds):
-        for (p, cfg), g in zip(stores, got):
-            t0 = time.perf_counter()
-            plain_read(hidden_dir(p))
-            g["plain_read_s"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            res = verify_store(p, config=cfg, recompute=0, positions=DEFAULT_POSITIONS, out=scratch)
-            g["verify_s"].append(time.perf_counter() - t0)
-            g["samples"] = res.summary["samples"]
+    timed_rounds(stores, scratch, 1)  # warm
     out = []
-    for (p, _), g in zip(stores, got):
+    for (p, _), g in zip(stores, timed_rounds(stores, scratch, rounds)):
         out.append({"store_bytes": int(HiddenReader(hidden_dir(p)).info.get("shard_file_bytes") or 0),
                     "samples": g["samples"], "plain_read_s": min(g["plain_read_s"]), "verify_s": min(g["verify_s"]),
                     "rounds": {k: g[k] for k in ("plain_read_s", "verify_s")}})
@@ -374,7 +371,7 @@ def main() -> int:
         **{k: v for k, v in m.items() if k not in private},
         "long_store": {"store": long_where, **{k: v for k, v in ml.items() if k not in private}},
         # the longer store beyond the embedded one: the per-byte ratio a store much larger than the fixed work reaches
-        "per_byte": per_byte(*interleaved([(p, cfg), (lp, load_config(lp))])),
+        "per_byte": per_byte(*interleaved([(p, cfg), (lp, load_config(lp))], scratch)),
         # the per-byte floor of this design: converting and reducing every row, against converting it (the plain read)
         "reduction_floor": reduction_floor(hidden_dir(lp)),
         "verify_ok": bool(m["verify_ok"] and ml["verify_ok"] and full.ok),
