@@ -279,11 +279,13 @@ def head_figures(hs: Any, ids: Any, mask: Any, names: Sequence[str], head: Head,
         torch.nan_to_num_(fin, nan=0.0, posinf=0.0, neginf=0.0)
     # the final state's kind at the first UNIT_ROWS head rows of each sample (a clean store gives a share of exactly 1
     # or 0 at any rows; every row of the state changes kind when a whole state is stored as the other kind)
-    counts = [min(p[3], UNIT_ROWS) for p in plans]
-    firsts = [0] + [p[3] for p in plans][:-1]
-    pick = torch.cat([torch.arange(c) + a for c, a in zip(counts, np.cumsum(firsts).tolist())]) if plans else None
-    unit = ((head.unit_rms(fin[pick]) - 1).abs() < UNIT_RMS_TOL).float() if plans else None
-    shares = torch.segment_reduce(unit, "mean", lengths=torch.tensor(counts), axis=0).tolist() if plans else []
+    shares = []
+    if plans:
+        starts = np.cumsum([0] + [p[3] for p in plans[:-1]]).tolist()  # each sample's first row in rows_all
+        counts = [min(p[3], UNIT_ROWS) for p in plans]
+        pick = torch.cat([torch.arange(c) + a for c, a in zip(counts, starts)])
+        unit = ((head.unit_rms(fin[pick]) - 1).abs() < UNIT_RMS_TOL).float()
+        shares = torch.segment_reduce(unit, "mean", lengths=torch.tensor(counts), axis=0).tolist()
     post = fin[:, list(finals).index("post_norm")] if "post_norm" in finals else head.norm(fin[:, 0])
     targets = ids[(rows_all + 1).clamp(max=max(len(ids) - 1, 0))]  # the next token (used at out/prompt rows only)
     own = batch is None
