@@ -32,7 +32,8 @@ from eagle3data.hidden.mix import hidden_dir, read_mix
 from eagle3data.hidden.store import HiddenReader, read_shard_meta, shard_dir
 from eagle3data.hidden.store import HiddenError
 from eagle3data.hidden.verify_run import verify_cli
-from eagle3data.hidden.vllm_capture import final_norm, hidden_command, norm_kind, rms_norm
+from eagle3data.hidden.norms import rms_norm
+from eagle3data.hidden.vllm_capture import final_norm, hidden_command, norm_kind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402

@@ -504,6 +504,35 @@ def test_the_head_applies_the_models_own_final_norm_kind(tmp_path):
         torch.testing.assert_close(head.norm(x), want)
 
 
+def test_a_multimodal_targets_head_takes_its_norm_from_the_text_config(tmp_path):
+    """Kimi-K2.5 is multimodal: its config keeps `rms_norm_eps` in `text_config`, its tensors sit under
+    `language_model.` beside a vision tower's own norms. The head must take the text model's eps (not a 1e-6
+    default) and the final norm of the text's hidden size (not the vision tower's), as the vLLM backend's post-norm
+    state does (`vllm_capture.final_norm`: the same reader)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from eagle3data.hidden.verify_head import load_head
+    from eagle3data.hidden.norms import read_final_norm
+    from eagle3data.hidden.vllm_capture import norm_kind
+
+    h, v = 8, 16
+    w = torch.linspace(0.5, 1.5, h)
+    save_file({"vision_tower.encoder.final_layernorm.weight": torch.ones(12), "vision_tower.norm.weight": torch.ones(12),
+               "language_model.model.norm.weight": w, "language_model.lm_head.weight": torch.randn(v, h),
+               "language_model.model.layers.0.input_layernorm.weight": torch.ones(h)},
+              str(tmp_path / "model.safetensors"))
+    cfg = transformers.LlavaConfig(text_config={"model_type": "llama", "hidden_size": h, "num_attention_heads": 2,
+                                                "rms_norm_eps": 1e-3, "vocab_size": v, "tie_word_embeddings": False})
+    assert getattr(cfg, "rms_norm_eps", None) is None  # the shape this guards: nothing at the top level
+    head = load_head(tmp_path, cfg)
+    assert head.eps == 1e-3 and head.tensors == ("language_model.model.norm.weight", "language_model.lm_head.weight")
+    x = torch.full((2, h), 0.01)  # mean square 1e-4: eps 1e-3 and 1e-6 give norms 3.3x apart
+    torch.testing.assert_close(head.norm(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-3) * w)
+    assert norm_kind(cfg) == "rms" and torch.equal(read_final_norm(tmp_path, cfg).multiplier, head.norm_weight)
+
+
 def test_the_bench_verifies_a_linked_copy_and_leaves_the_run_as_it_was(clean, tmp_path):
     """bench_verify measures the embedded run through hard links (`linked_copy`): verify's writes (lines, summary,
     index.json's entry) land in the copy; the run's own files keep their bytes."""

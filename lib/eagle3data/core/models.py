@@ -183,6 +183,11 @@ def model_for(params: Any) -> Any:
                       trust_remote_code=m.trust_remote_code)
 
 
+def text_config(config: Any) -> Any:
+    """The language-model part of a (possibly multimodal: Kimi-K2.5, Llava-style) config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def context_limit(params: Any, config: Any = None) -> int | None:
     """The longest prompt+output the model takes: `model.max_context`, else the config's
     `max_position_embeddings` (read without weights), else None when neither is known here."""
@@ -197,5 +202,4 @@ def context_limit(params: Any, config: Any = None) -> int | None:
                                                 trust_remote_code=params.model.trust_remote_code)
         except (OSError, ValueError):
             return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(getattr(text, "max_position_embeddings", 0) or 0) or None
+    return int(getattr(text_config(config), "max_position_embeddings", 0) or 0) or None

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3data.core.models import context_limit, load_model, resolve_model_path
+from eagle3data.core.models import context_limit, load_model, resolve_model_path, text_config
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers, get_profile
 from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
@@ -63,11 +63,6 @@ def decoder_of(model: Any) -> Any:
     if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
         raise HiddenError(f"{type(model).__name__}: cannot find decoder `.layers` and final `.norm` to hook")
     return dec
-
-
-def text_config(config: Any) -> Any:
-    """The language-model part of a (possibly multimodal) config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def layer_plan(params: RunParams, config: Any) -> AuxLayers:

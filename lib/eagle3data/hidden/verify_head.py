@@ -14,32 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import orjson
-
 from eagle3data.core.models import cache_dir
-from eagle3data.hidden.norms import known_norm_kind
+from eagle3data.core.models import text_config
+from eagle3data.hidden.norms import read_final_norm, rms_norm, weight_files
 from eagle3data.hidden.verify_checks import UNIT_RMS_TOL, VerifyError, positions
 
 HEAD_BATCH = 512  # positions per head GEMM, across samples
 UNIT_ROWS = 32  # rows per sample at which the final state's kind is judged (`head_figures`)
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (through `model.safetensors.index.json` when sharded)."""
-    idx = folder / "model.safetensors.index.json"
-    if idx.exists():
-        return {k: folder / v for k, v in orjson.loads(idx.read_bytes())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out: dict[str, Path] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
-def _pick(names: Sequence[str], suffix: str, exclude: str = "layers.") -> str | None:
-    got = sorted((n for n in names if n.endswith(suffix) and exclude not in n), key=len)
+def _shortest(names: Sequence[str], suffix: str) -> str | None:
+    got = sorted((n for n in names if n.endswith(suffix)), key=len)
     return got[0] if got else None
 
 
@@ -57,10 +42,7 @@ class Head:
 
     def norm(self, x: Any) -> Any:
         """The final RMSNorm of pre-norm states `[..., hidden]` (float32)."""
-        import torch
-
-        x = x.float()
-        return self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return rms_norm(x, self.norm_weight, self.eps)
 
     def moments(self) -> tuple[Any, Any]:
         """(mean row `[hidden]`, a factor F `[hidden, hidden]` of the rows' covariance, F F^T = cov): for any state x
@@ -123,31 +105,30 @@ class Head:
 
 
 def load_head(model_dir: str | Path, config: Any) -> Head:
-    """The final norm and LM head of a checkpoint, read alone from its safetensors files."""
+    """The final norm and LM head of a checkpoint, read alone from its safetensors files (`norms.read_final_norm`:
+    the norm's weight, its kind and eps from the text config, as the vLLM backend's post-norm state reads them)."""
     import torch
     from safetensors import safe_open
 
     folder = Path(model_dir)
-    where = _weight_files(folder)
+    where = weight_files(folder)
     names = list(where)
-    norm = _pick(names, "model.norm.weight") or _pick(names, ".norm.weight")
-    head = _pick(names, "lm_head.weight", exclude="\0")
-    if head is None and getattr(config, "tie_word_embeddings", False):
-        head = _pick(names, "embed_tokens.weight", exclude="\0")
+    text = text_config(config)  # a multimodal target (Kimi-K2.5, Llava-style) keeps eps and tying in text_config
+    norm = read_final_norm(folder, config, where)
+    head = _shortest(names, "lm_head.weight")
+    if head is None and (getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)):
+        head = _shortest(names, "embed_tokens.weight")
     if norm is None or head is None:
         raise VerifyError(f"{folder}: cannot find the final norm / lm_head tensors in its safetensors files "
-                          f"(found {len(names)} tensors; norm={norm}, head={head})")
-    got = {}
-    for name in (norm, head):
-        with safe_open(str(where[name]), framework="pt") as f:
-            got[name] = f.get_tensor(name).to(torch.float32)
-    eps = getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_epsilon", None) or 1e-6
-    weight = got[norm]
-    if known_norm_kind(config) == "rms_1p":  # Gemma-style: the checkpoint stores w, the model multiplies by 1 + w
-        weight = 1.0 + weight
+                          f"(found {len(names)} tensors; norm={norm and norm.name}, head={head})")
+    if norm.eps is None:
+        raise VerifyError(f"{folder}: its config has no rms_norm_eps (nor layer_norm_epsilon): cannot apply the final "
+                          "norm")
+    with safe_open(str(where[head]), framework="pt") as f:
+        weight = f.get_tensor(head).to(torch.float32)
     st = where[head].stat()
     origin = f"{where[head].resolve()}|{head}|{st.st_size}|{st.st_mtime_ns}"
-    return Head(weight, got[head], float(eps), (norm, head), origin)
+    return Head(norm.multiplier, weight, norm.eps, (norm.name, head), origin)
 
 
 def moments_path(origin: str) -> Path:

@@ -37,7 +37,8 @@ from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers, get_profile
 from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
 from eagle3data.core.reader import Sample
-from eagle3data.hidden.norms import NORM_KINDS, known_norm_kind  # noqa: F401  (NORM_KINDS: read by tests)
+from eagle3data.core.models import text_config
+from eagle3data.hidden.norms import known_norm_kind, read_final_norm, rms_norm
 from eagle3data.generate.backends.engine import Engine, EngineSettings, Job, record_dict
 from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.vllm import VLLMBackend, completion_choices
@@ -101,11 +102,11 @@ def hidden_command(params: RunParams, layers: AuxLayers) -> EngineCommand:
 
 def norm_kind(config: Any) -> str:
     """The final norm's kind of a model from its config (`NORM_KINDS`), or a HiddenError in one line."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     mt = getattr(text, "model_type", None)
     kind = known_norm_kind(config)
     if kind is None:
-        raise HiddenError(f"model_type {mt!r}: the kind of its final norm is not known to eagle3data (vllm_capture."
+        raise HiddenError(f"model_type {mt!r}: the kind of its final norm is not known to eagle3data (hidden/norms."
                           "NORM_KINDS), so the post-norm state cannot be computed from vLLM's pre-norm one: set "
                           "hidden.final_state pre_norm, or use hidden.backend hf")
     if getattr(text, "rms_norm_eps", None) is None:
@@ -115,35 +116,17 @@ def norm_kind(config: Any) -> str:
 
 
 def final_norm(params: RunParams, config: Any) -> tuple[Any, float]:
-    """(multiplier fp32, eps) of the model's final RMSNorm, read from the checkpoint (no model loaded):
-    `weight`, or `1 + weight` for the "rms_1p" kind, so that `rms_norm(x, *final_norm(...))` is the model's."""
-    import torch
-    from safetensors import safe_open
-
-    kind = norm_kind(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    """(multiplier fp32, eps) of the model's final RMSNorm, read from the checkpoint (no model loaded;
+    `norms.read_final_norm`, verify-hidden's reader too): `weight`, or `1 + weight` for the "rms_1p" kind, so that
+    `rms_norm(x, *final_norm(...))` is the model's."""
+    norm_kind(config)  # a kind and an eps the config states, or a HiddenError
     folder = Path(model_dir(params))
-    index = folder / "model.safetensors.index.json"
-    where = orjson.loads(index.read_bytes())["weight_map"] if index.exists() else {
-        k: f.name for f in sorted(folder.glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()}
-    names = sorted((k for k in where if k.endswith("model.norm.weight")), key=len)
-    if not names:
-        raise HiddenError(f"{folder}: no `model.norm.weight` in the checkpoint: cannot compute the post-norm state "
+    got = read_final_norm(folder, config)
+    if got is None:
+        raise HiddenError(f"{folder}: no `model.norm.weight` in the checkpoint (of the text config's hidden size "
+                          f"{getattr(text_config(config), 'hidden_size', None)}): cannot compute the post-norm state "
                           "(set hidden.final_state pre_norm)")
-    with safe_open(str(folder / where[names[0]]), framework="pt") as f:
-        w = f.get_tensor(names[0]).to(torch.float32)
-    if tuple(w.shape) != (int(text.hidden_size),):
-        raise HiddenError(f"{folder}: `{names[0]}` has shape {tuple(w.shape)}, not ({text.hidden_size},): not the "
-                          "final norm's weight")
-    return (1.0 + w if kind == "rms_1p" else w), float(text.rms_norm_eps)
-
-
-def rms_norm(x: Any, weight: Any, eps: float) -> Any:
-    """`weight * x / sqrt(mean(x^2) + eps)` in fp32 (`weight`: `final_norm`'s multiplier)."""
-    import torch
-
-    x = x.to(torch.float32)
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return got.multiplier, float(got.eps)
 
 
 # ---------------------------------------------------------------------------- one reply's file
