@@ -49,6 +49,24 @@ def test_every_storage_round_trips_within_its_resolution_and_slices_per_sample(s
         assert stored == codec.bytes_per_token(96) * len(x)  # the estimate's bytes are the tensors' bytes
 
 
+@pytest.mark.parametrize("st", [s for s in ALL if s.quantized], ids=lambda s: s.name)
+def test_the_error_bound_holds_for_every_value_and_is_tight(st):
+    """`StateCodec.error_bound` (what verify's recompute adds to its tolerance): no decoded value is further from the
+    encoded state than its bound, and some come within 30% of it (a loose bound would pass another sample's states).
+    From decoded values too where the scheme needs no channels (a trainer's FP8 file)."""
+    x = _states()
+    codec = StateCodec(5, st, st, "float32")
+    t = codec.encode(x)
+    part = {k: (v[10:30] if k in codec.token_tensors() else v) for k, v in t.items()}
+    y = codec.decode(part, torch.float32)
+    err, bound = (y - x[10:30]).abs(), codec.error_bound(part)
+    assert bound.shape == y.shape and bool((err <= bound * (1 + 1e-6)).all()), float((err / bound).max())
+    assert float((err / bound).max()) > 0.7
+    if not st.needs_channels:
+        from_decoded = codec.error_bound({"hidden_states": y})
+        assert bool((err <= from_decoded).all()) and float((from_decoded / bound).max()) < 1.05
+
+
 def test_channel_smoothing_is_what_rescues_int8_from_an_outlier_channel():
     x = _states()
     err = {}

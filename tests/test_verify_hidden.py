@@ -273,6 +273,47 @@ def test_a_store_in_each_trainer_layout_passes(tmp_path, monkeypatch, layout, fi
     assert ver.summary["recomputed"] >= 1
 
 
+@pytest.mark.parametrize("over", [{"hidden.storage": "int8"},  # channel_rms, the measured best
+                                  {"hidden.storage": "fp8_e4m3", "hidden.final_storage": "bf16"},
+                                  {"hidden.storage": "fp8_e4m3", "hidden.storage_scale": "token",
+                                   "hidden.layout": "speculators", "hidden.final_state": "pre_norm"}],
+                         ids=["int8", "fp8_bf16_final", "fp8_speculators_files"])
+def test_an_8bit_store_is_recomputed_within_its_own_step(tmp_path, monkeypatch, over):
+    """An 8-bit store differs from a fresh forward by its quantization step (`StateCodec.error_bound`, from the
+    stored scales and channels, or from a trainer's decoded FP8 file): 04's own verification of a clean 8-bit store
+    passes (it failed every recomputed sample before), and a swap of two same-length samples' values and scales is
+    still caught by the recompute, those two and no other."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = _make_run(tmp_path, **over, **{"hidden.verify_after": True})
+    res = run_extract(p, progress=False, model=_model(p))
+    assert res.verification is not None and res.verification.ok, _failed(res.verification)
+    ver = _verify(p, recompute="all")
+    assert _failed(ver) == {} and ver.summary["recomputed"] == 8
+    worst = max(v["off_share"] for r in ver.rows for v in r["recompute"].values())
+    assert worst <= 1e-3
+    if over.get("hidden.layout") == "speculators":
+        return
+    rd = HiddenReader(hidden_dir(p))
+    (shard,) = set(rd.index["shard"])
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = hidden_dir(p) / shard
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    (a, n), (b, m) = [(int(rd.index.iloc[rd.row(k)]["offset"]), int(rd.index.iloc[rd.row(k)]["length"]))
+                      for k in (SAME_A, SAME_B)]
+    assert n == m
+    for name in rd.codec.token_tensors():  # the values and their scales: another request's states, as stored
+        x = t[name][a:a + n].clone()
+        t[name][a:a + n] = t[name][b:b + n]
+        t[name][b:b + n] = x
+    save_file(t, str(path), metadata=meta)
+    failed = _failed(_verify(p, recompute="all"))
+    assert set(failed) == {SAME_A, SAME_B} and all("recompute" in v for v in failed.values()), failed
+
+
 def test_cli_exit_status_and_bad_input(clean, tmp_path, capsys):
     p = _copy(clean, tmp_path)
     run = str(p.run_dir)

@@ -250,6 +250,35 @@ class StateCodec:
                                     dtype or torch.bfloat16))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    def error_bound(self, tensors: dict[str, Any]) -> Any:
+        """The most each decoded value `[tokens, S, hidden]` can differ from the state that was encoded, fp32: int8
+        half a step, fp8 e4m3 half an ulp (2^-4 of the value; 2^-10 of the step below its least normal); 0 for an
+        unquantized group (its rounding is the dtype's). From the stored tensors (`encode`'s; token-first ones may be
+        sliced), or from decoded `hidden_states` for the schemes without channels (a trainer's FP8 file, read back):
+        their step is the token's (or token and state's) absmax over the format's largest value."""
+        torch = _torch()
+        parts = []
+        for name, a, b, st in self.groups:
+            values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
+            if not st.quantized:
+                parts.append(torch.zeros(values.shape, dtype=torch.float32))
+                continue
+            top = INT8_MAX if st.format == "int8" else FP8_MAX
+            if values.dtype in (torch.int8, torch.float8_e4m3fn):  # as stored: values in steps
+                step = tensors[name + "_scales"].float()
+                if st.needs_channels:
+                    step = step * tensors[name + "_channels"].float()
+                y = values.float().abs()
+            elif st.needs_channels:
+                raise StorageError(f"storage {st.name}: its error bound needs the stored scales and channels")
+            else:  # decoded: the absmax value was encoded as `top` exactly (1% over it for the dtype's rounding)
+                x = values.float().abs()
+                step = x.amax(dim=(1, 2) if st.scale == "token" else (2,), keepdim=True) * (1.01 / top)
+                y = x / step.clamp(min=1e-30)
+            half = 0.5 if st.format == "int8" else 2.0 ** -4 * y + 2.0 ** -10
+            parts.append((half * step).expand(values.shape).float())
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def as_dict(self) -> dict[str, Any]:
         return {"aux": self.aux.as_dict(), "final": self.final.as_dict()}
 

@@ -438,8 +438,9 @@ class HiddenReader:
         return {"hidden_states": hs, "input_ids": got["input_ids"].to(torch.int32),
                 "loss_mask": got["loss_mask"].to(torch.uint8)}
 
-    def sample(self, which: int | str | SampleKey) -> dict[str, Any]:
-        """One sample by row number (mix order) or by key (`SampleKey` or `dataset/sample_id`); reads only its bytes."""
+    def sample(self, which: int | str | SampleKey, raw: bool = False) -> dict[str, Any]:
+        """One sample by row number (mix order) or by key (`SampleKey` or `dataset/sample_id`); reads only its bytes.
+        `raw`: a shard's tensors as stored (8-bit values, scales, channels: `StateCodec.error_bound`), not decoded."""
         from safetensors import safe_open
 
         i = self._rows[str(which)] if isinstance(which, (str, SampleKey)) else int(which)
@@ -451,7 +452,7 @@ class HiddenReader:
             out = {name: f.get_slice(name)[a : a + n]
                    for name in (*self.codec.token_tensors(), "input_ids", "loss_mask")}
             out.update({name: f.get_tensor(name) for name in self.codec.block_tensors()})
-        return {**row.to_dict(), **self._decoded(out)}
+        return {**row.to_dict(), **(out if raw else self._decoded(out))}
 
     def _decoded(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """A shard slice's tensors with its states as `hidden_states` [n, S, hidden] (8-bit ones dequantized)."""

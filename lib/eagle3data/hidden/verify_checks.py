@@ -339,8 +339,9 @@ def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_pro
 # ---------------------------------------------------------------------------- recompute
 
 
-def compare_states(stored: Any, ref: Any, names: Sequence[str], dtype: str) -> dict[str, Any]:
-    """Per stored layer: the share of elements beyond the dtype's tolerance of a fresh forward, and the worst."""
+def compare_states(stored: Any, ref: Any, names: Sequence[str], dtype: str, bound: Any = None) -> dict[str, Any]:
+    """Per stored layer: the share of elements beyond the dtype's tolerance of a fresh forward, and the worst.
+    `bound`: an 8-bit store's own error per element (`StateCodec.error_bound`), added to the tolerance."""
     s, r = stored.float(), ref.float()
     rtol, atol = RECOMPUTE_RTOL.get(dtype, 1e-2), RECOMPUTE_ATOL_SHARE.get(dtype, 1e-2)
     out: dict[str, Any] = {}
@@ -348,7 +349,7 @@ def compare_states(stored: Any, ref: Any, names: Sequence[str], dtype: str) -> d
         a, b = s[:, i], r[:, i]
         row = b.pow(2).mean(-1, keepdim=True).sqrt()
         err = (a - b).abs()
-        tol = rtol * b.abs() + atol * row
+        tol = rtol * b.abs() + atol * row + (0.0 if bound is None else bound[:, i])
         off = ~(err <= tol)  # NaN counts as off
         out[nm] = {"off_share": round(float(off.float().mean()), 6), "gross": int((~(err <= GROSS * tol)).sum()),
                    "max_rel": round(float((err / (row + 1e-30)).nan_to_num(float("inf")).max()), 6)}
