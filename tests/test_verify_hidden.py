@@ -78,15 +78,16 @@ def _copy(p, tmp_path):
 
 
 class _Memo:
-    """The HF recompute backend (04's Capture), each distinct sequence forwarded once for the module."""
+    """The HF recompute backend (04's Capture), each distinct sequence forwarded once for the module, per kind of
+    capture (the states it keeps and their dtype: stores of other final states or dtypes get their own)."""
 
-    seen: dict[tuple[int, ...], torch.Tensor] = {}
+    seen: dict[tuple, torch.Tensor] = {}
 
     def __init__(self, capture):
         self.capture = capture
 
     def run(self, input_ids):
-        k = tuple(input_ids[0].tolist())
+        k = (self.capture.names, str(self.capture.dtype), tuple(input_ids[0].tolist()))
         if k not in self.seen:
             self.seen[k] = self.capture.run(input_ids)
         return self.seen[k]
