@@ -449,7 +449,8 @@ def test_head_positions_have_floors_a_budget_and_a_cap():
 
 def test_sampled_records_are_judged_by_their_own_floors():
     """A sampled record's next token is the sampler's choice: its z floor is the lower one measured on a temperature-1
-    run, and its log-prob is judged only against the run (the pooled check takes greedy records alone)."""
+    run (none above that temperature: the run's spread alone), and its log-prob is judged only against the run (the
+    pooled check takes greedy records alone)."""
     from eagle3data.hidden.verify_checks import MIN_OUT_Z, MIN_SAMPLED_OUT_Z, judge, run_head_problems
 
     base = {"nonfinite": 0, "flat_rows": 0, "duplicate_layers": [], "out_exact_positions": 16, "out_misses": 0,
@@ -458,6 +459,12 @@ def test_sampled_records_are_judged_by_their_own_floors():
     assert judge(base, {}, greedy=True, judge_profile=False)[0] == ["head_logprob", "head_logit_z"]
     low = base | {"out_z_mean": MIN_SAMPLED_OUT_Z - 0.1}
     assert judge(low, {}, greedy=False, judge_profile=False)[0] == ["head_logit_z"]
+    # the floor is measured up to temperature 1: a hotter sampler's clean means reach below it, so the run judges alone
+    assert judge(low, {}, greedy=False, judge_profile=False, temperature=1.0)[0] == ["head_logit_z"]
+    assert judge(low, {}, greedy=False, judge_profile=False, temperature=1.3)[0] == []
+    stats = {"out_z_mean": {"": (3.5, 0.8)}}  # the run's centre and spread: far below it still fails
+    assert judge(base | {"out_z_mean": -1.0}, stats, greedy=False, judge_profile=True, temperature=1.3)[0] == \
+        ["head_logit_z"]
     rows = [{"greedy": False, "out_exact_positions": 1, "out_misses": 1, "out_logprob_mean": -7.0}] * 8
     assert run_head_problems(rows) == []
     assert {p["check"] for p in run_head_problems([r | {"greedy": True} for r in rows])} == {"head_top1", "head_logprob"}

@@ -106,14 +106,17 @@ class VerifyResult:
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
-def _greedy_keys(view: Any, datasets: Sequence[str]) -> set[str]:
-    """Keys of records sampled greedily (temperature 0) with exact ids: their head top-1 is checked."""
-    out = set()
+def _sampling(view: Any, datasets: Sequence[str]) -> tuple[set[str], dict[str, float]]:
+    """Keys of records sampled greedily (temperature 0) with exact ids (their head top-1 is checked), and each
+    record's sampling temperature where it says one (its output z floor: `verify_checks.out_z_floor`)."""
+    greedy, temps = set(), {}
     for r in view.records(datasets):
         t = (r.get("sampling") or {}).get("temperature")
-        if t is not None and float(t) == 0.0 and r.get("ids_exact"):
-            out.add(str(SampleKey.of(r)))
-    return out
+        if t is not None:
+            temps[str(SampleKey.of(r))] = float(t)
+            if float(t) == 0.0 and r.get("ids_exact"):
+                greedy.add(str(SampleKey.of(r)))
+    return greedy, temps
 
 
 def verify_store(params: RunParams, *, config: Any, backend: Backend | None = None,
@@ -137,7 +140,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     datasets = _chosen(params)
     view = read_run(params.run_dir, datasets, verdicts=False)
     sources = view.samples(datasets)
-    greedy = _greedy_keys(view, datasets)
+    greedy, temps = _sampling(view, datasets)
     shared = unique_starts({k: s.input_ids for k, s in sources.items()})
     head = load_head(resolve_model_path(params.model.path), config)
     head.moments()  # the vocabulary's logit moments, once (a hidden^2 x vocab GEMM), before the pass
@@ -214,7 +217,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     for r in rows:
         failed = [c for c in r.pop("store") if c != "finite"]  # NaN is judged below, from the figures
         if "log_rms" in r:
-            more, z = judge(r, stats, greedy=r["greedy"], judge_profile=with_profile)
+            more, z = judge(r, stats, greedy=r["greedy"], judge_profile=with_profile, temperature=temps.get(r["key"]))
             failed += more
             r["z"] = z
             if "recompute" in r and recompute_failed(r["recompute"]):

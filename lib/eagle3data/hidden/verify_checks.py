@@ -42,6 +42,10 @@ MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EX
 MIN_OUT_Z = 4.5
 MIN_PROMPT_Z = 4.5
 MIN_SAMPLED_OUT_Z = 4.0
+# The sampled floor is measured up to this temperature (clean means 4.61-6.97 at 1.0). Hotter samplers draw tokens the
+# head ranks lower: at 1.3 the embedded run's clean means were 2.21-5.50, inside the broken ones' range, so above it
+# only the run's own spread judges a sample's output z (its prompt z, the sampler's no part, keeps its floor).
+SAMPLED_Z_MAX_TEMPERATURE = 1.0
 Z_SPREAD_FLOOR = 0.5  # the least run spread (1.4826 MAD) a mean z is compared with
 UNIT_RMS_TOL = 0.02  # a post-norm row: |rms(state / norm weight) - 1| below this
 MIN_UNIT_SHARE_POST = 0.9  # share of rows that look post-norm in a state said to be post-norm
@@ -290,8 +294,18 @@ def run_head_problems(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_profile: bool) -> tuple[list[str], dict[str, Any]]:
-    """The checks one sample fails (names of `CHECKS`) and the z-scores behind the run-relative ones."""
+def out_z_floor(greedy: bool, temperature: float | None) -> float:
+    """The least mean output z a sample may have on its own: MIN_OUT_Z greedy, MIN_SAMPLED_OUT_Z sampled at up to
+    SAMPLED_Z_MAX_TEMPERATURE (or at a temperature not recorded), none hotter (the run's spread alone)."""
+    if greedy:
+        return MIN_OUT_Z
+    return -math.inf if temperature is not None and temperature > SAMPLED_Z_MAX_TEMPERATURE else MIN_SAMPLED_OUT_Z
+
+
+def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_profile: bool,
+          temperature: float | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The checks one sample fails (names of `CHECKS`) and the z-scores behind the run-relative ones (`temperature`:
+    the record's sampler's, which sets its output z floor: `out_z_floor`)."""
     failed: list[str] = []
     z: dict[str, Any] = {}
     if fig["nonfinite"]:
@@ -309,8 +323,8 @@ def judge(fig: dict[str, Any], stats: dict[str, Any], *, greedy: bool, judge_pro
         fig = {k: v for k, v in fig.items() if k != "out_logprob_median"}  # too few to judge one sample: pooled only
     for figname, check, floor, spread_floor in (("out_logprob_median", "head_logprob",
                                                  MIN_OUT_LOGPROB if greedy else -math.inf, 0.5),
-                                                ("out_z_mean", "head_logit_z", MIN_OUT_Z if greedy else
-                                                 MIN_SAMPLED_OUT_Z, Z_SPREAD_FLOOR),
+                                                ("out_z_mean", "head_logit_z", out_z_floor(greedy, temperature),
+                                                 Z_SPREAD_FLOOR),
                                                 ("prompt_z_mean", "prompt_logit_z", MIN_PROMPT_Z, Z_SPREAD_FLOOR)):
         v = fig.get(figname)
         if v is None:
