@@ -82,6 +82,8 @@ def stores(ci_run, model, tmp_path_factory):
                                                            "export.draft_vocab_size": 64, **over})
             res = run_extract(p, progress=False, model=model)
             assert res.merged and res.validation.ok, res.validation.table()
+            # and 04's own verification passed, recompute included (an 8-bit store within its own step), as 05 asks
+            assert res.verification.ok and res.verification.summary["recomputed"] >= 1, res.verification.failed_table()
             mix = read_mix(res.hidden_dir)
             exp = {fmt: HO.write_handoff(p, mix.samples, p.run_dir / "export" / fmt, fmt) for fmt in HO.FORMATS}
             out[name] = (p, res, mix, exp)
