@@ -315,6 +315,20 @@ def test_an_8bit_store_is_recomputed_within_its_own_step(tmp_path, monkeypatch, 
     assert set(failed) == {SAME_A, SAME_B} and all("recompute" in v for v in failed.values()), failed
 
 
+def test_records_sampled_hotter_than_the_measured_floor_are_judged_against_the_run(clean, tmp_path):
+    """The same states, their records saying temperature 1.3: no sample is greedy any more, each output z is judged
+    against the run alone (counted in the summary and said in the line), and the clean store still passes."""
+    p = _copy(clean, tmp_path)
+    for f in (p.run_dir / "records").glob("*.jsonl"):
+        rows = [json.loads(x) for x in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps(r | {"sampling": r["sampling"] | {"temperature": 1.3}}) + "\n" for r in rows))
+    res = _verify(p)
+    assert res.ok and res.summary["out_z_run_only"] == res.summary["samples"] == 8
+    assert not any(r["greedy"] for r in res.rows) and res.summary["checks"]["run_head_top1"]["applicable"] == 0
+    assert "the output z of 8 samples sampled hotter than temperature 1 judged against the run alone" in res.line()
+    assert "judged against the run alone" not in _verify(_copy(clean, tmp_path / "greedy")).line()
+
+
 def test_cli_exit_status_and_bad_input(clean, tmp_path, capsys):
     p = _copy(clean, tmp_path)
     run = str(p.run_dir)

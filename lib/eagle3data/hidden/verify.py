@@ -16,6 +16,7 @@ the outcome in `hidden/index.json` (`verification`), which 05 reads before it ex
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,9 +31,10 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
-from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, VerifyError, chunk_figures,
-                                             compare_states, exact_plan, head_counts, judge, pooled_exact, profile_stats,
-                                             recompute_failed, run_head_problems, top1_limit, unique_starts)
+from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
+                                             VerifyError, chunk_figures, compare_states, exact_plan, head_counts, judge,
+                                             out_z_floor, pooled_exact, profile_stats, recompute_failed,
+                                             run_head_problems, top1_limit, unique_starts)
 from eagle3data.hidden.verify_head import HeadBatch, head_figures, load_head
 
 VERIFY_FILE = "verify.jsonl"
@@ -103,6 +105,8 @@ class VerifyResult:
                 + f"; recomputed {s['recomputed']}; logit z at {s['head']['out_mean']:g} output + "
                   f"{s['head']['prompt_mean']:g} prompt positions per sample (at most {s['positions']}), the whole "
                   f"head at {s['head']['exact_positions']} output positions over the run"
+                + (f"; the output z of {s['out_z_run_only']} samples sampled hotter than temperature "
+                   f"{SAMPLED_Z_MAX_TEMPERATURE:g} judged against the run alone" if s.get("out_z_run_only") else "")
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
@@ -214,16 +218,20 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     judged = [r for r in rows if "log_rms" in r]
     stats = profile_stats(judged)
     with_profile = len(judged) >= MIN_PROFILE_SAMPLES
+    run_only = 0  # samples whose output z has no floor of its own (sampled hotter than it was measured at)
     for r in rows:
         failed = [c for c in r.pop("store") if c != "finite"]  # NaN is judged below, from the figures
         if "log_rms" in r:
-            more, z = judge(r, stats, greedy=r["greedy"], judge_profile=with_profile, temperature=temps.get(r["key"]))
+            t = temps.get(r["key"])
+            run_only += out_z_floor(r["greedy"], t) == -math.inf
+            more, z = judge(r, stats, greedy=r["greedy"], judge_profile=with_profile, temperature=t)
             failed += more
             r["z"] = z
             if "recompute" in r and recompute_failed(r["recompute"]):
                 failed.append("recompute")
         r["failed"] = sorted(set(failed))
     summary = _summary(rows, store_problems, info, picks, positions, with_profile, stats)
+    summary["out_z_run_only"] = run_only
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["recompute_seconds"] = round(recompute_s, 3)
     summary["setup_seconds"] = round(setup_s, 3)
