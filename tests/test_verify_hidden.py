@@ -461,6 +461,27 @@ def test_head_positions_have_floors_a_budget_and_a_cap():
         assert binom_tail(k, TOP1_CLEAN_MISS, m) <= TOP1_ALPHA < binom_tail(k, TOP1_CLEAN_MISS, m - 1)
 
 
+def test_the_pooled_top1_limit_holds_at_a_13tb_stores_count_of_positions():
+    """The run's pooled top-1 check at the exact positions a large store buys (13 TB of Kimi: about 55,000; the
+    embedded run at --positions 0: 2,310): the binomial tail neither overflows a float (it did past ~1,030
+    positions) nor drifts from exact rational arithmetic."""
+    import math
+    from fractions import Fraction
+
+    from eagle3data.hidden.verify_checks import TOP1_ALPHA, TOP1_CLEAN_MISS, binom_tail, top1_limit
+
+    def exact(k, q, m):
+        q = Fraction(q)
+        return float(sum(math.comb(k, j) * q ** j * (1 - q) ** (k - j) for j in range(m, k + 1)))
+
+    for k, m in ((8, 3), (500, 25), (500, 124), (1100, 60)):
+        assert binom_tail(k, TOP1_CLEAN_MISS, m) == pytest.approx(exact(k, TOP1_CLEAN_MISS, m), rel=1e-9)
+    for k in (2310, 55_000):
+        m = top1_limit(k)
+        assert binom_tail(k, TOP1_CLEAN_MISS, m) <= TOP1_ALPHA < binom_tail(k, TOP1_CLEAN_MISS, m - 1)
+        assert TOP1_CLEAN_MISS * k < m < 2 * TOP1_CLEAN_MISS * k  # a few SDs above the clean mean
+
+
 def test_sampled_records_are_judged_by_their_own_floors():
     """A sampled record's next token is the sampler's choice: its z floor is the lower one measured on a temperature-1
     run (none above that temperature: the run's spread alone), and its log-prob is judged only against the run (the
