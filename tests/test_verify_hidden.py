@@ -315,6 +315,25 @@ def test_an_8bit_store_is_recomputed_within_its_own_step(tmp_path, monkeypatch, 
     assert set(failed) == {SAME_A, SAME_B} and all("recompute" in v for v in failed.values()), failed
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_target_is_recomputed_within_its_own_forwards_noise(tmp_path, monkeypatch, dtype):
+    """A target run in bf16 (what a GPU run uses) or fp16 differs from itself with the batch's shape: 04's padded
+    batches against the recompute's one sequence put 40% of a bf16 store's elements beyond the storage tolerance,
+    so 04's own verification failed 6 of the 8 clean samples. The tolerance is now the compute dtype's where that is
+    looser (`COMPUTE_TOL`): the clean store passes, and a swap of two same-length samples' states is still caught."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = _make_run(tmp_path, **{"model.dtype": dtype, "hidden.dtype": dtype, "hidden.verify_after": True,
+                               "hidden.verify_recompute": 8})
+    res = run_extract(p, progress=False)  # the target as 04 loads it, in the params' dtype
+    ver = res.verification
+    assert ver.ok and ver.summary["recomputed"] == 8 and ver.summary["compute_dtype"] == dtype, _failed(ver)
+    _mutate(p, m_swap_samples)
+    cfg = load_config(p)
+    make = BACKENDS["hf"](p, HiddenReader(hidden_dir(p)).info, cfg)
+    failed = _failed(verify_store(p, config=cfg, backend=make, recompute="all", positions=DEFAULT_POSITIONS))
+    assert set(failed) == {SAME_A, SAME_B} and all("recompute" in v for v in failed.values()), failed
+
+
 def test_records_sampled_hotter_than_the_measured_floor_are_judged_against_the_run(clean, tmp_path):
     """The same states, their records saying temperature 1.3: no sample is greedy any more, each output z is judged
     against the run alone (counted in the summary and said in the line), and the clean store still passes."""

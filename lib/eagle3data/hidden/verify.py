@@ -110,6 +110,15 @@ class VerifyResult:
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
+def compute_dtype(params: RunParams) -> str:
+    """The dtype the target computes its states in, for the recompute's tolerance: the HF model's (`model.dtype`),
+    or the vLLM server's (`hidden.vllm.server.dtype`, else `model.dtype`; `auto`, the checkpoint's: taken as bf16)."""
+    d = params.model.dtype
+    if params.hidden.backend == "vllm" and params.hidden.vllm is not None:
+        d = params.hidden.vllm.server.dtype or d
+    return "bfloat16" if d == "auto" else d
+
+
 def _sampling(view: Any, datasets: Sequence[str]) -> tuple[set[str], dict[str, float]]:
     """Keys of records sampled greedily (temperature 0) with exact ids (their head top-1 is checked), and each
     record's sampling temperature where it says one (its output z floor: `verify_checks.out_z_floor`)."""
@@ -149,6 +158,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     head = load_head(resolve_model_path(params.model.path), config)
     head.moments()  # the vocabulary's logit moments, once (a hidden^2 x vocab GEMM), before the pass
     picks = recompute_picks(reader, recompute)
+    compute = compute_dtype(params)
     redo = None
     if picks:
         if backend is None:
@@ -199,7 +209,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
                     ref = redo.run(smp["input_ids"].long()[None])[0].cpu()
                     bound = reader.codec.error_bound(reader.sample(row["key"], raw=True)) if reader.codec.quantized \
                         else None  # an 8-bit store differs from the forward by its own step too
-                    row["recompute"] = compare_states(smp["hidden_states"], ref, names, info["dtype"], bound)
+                    row["recompute"] = compare_states(smp["hidden_states"], ref, names, info["dtype"], bound, compute)
                     recompute_s += time.perf_counter() - t1
         batch.flush()
     finally:
@@ -232,6 +242,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
         r["failed"] = sorted(set(failed))
     summary = _summary(rows, store_problems, info, picks, positions, with_profile, stats)
     summary["out_z_run_only"] = run_only
+    summary["compute_dtype"] = compute  # the target's forward: its dtype sets the recompute's tolerance floor
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["recompute_seconds"] = round(recompute_s, 3)
     summary["setup_seconds"] = round(setup_s, 3)
