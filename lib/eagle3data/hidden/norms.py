@@ -37,9 +37,8 @@ def known_norm_kind(config: Any) -> str | None:
 def norm_eps(config: Any) -> float | None:
     """The final norm's eps from the text config (`rms_norm_eps`, else `layer_norm_epsilon`); None if it has neither."""
     text = text_config(config)
-    eps = getattr(text, "rms_norm_eps", None)
-    return float(eps) if eps is not None else (None if getattr(text, "layer_norm_epsilon", None) is None
-                                               else float(text.layer_norm_epsilon))
+    got = [getattr(text, name, None) for name in ("rms_norm_eps", "layer_norm_epsilon")]
+    return next((float(e) for e in got if e is not None), None)
 
 
 def weight_files(folder: str | Path) -> dict[str, Path]:

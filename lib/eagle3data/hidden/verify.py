@@ -29,6 +29,7 @@ from eagle3data.core.models import resolve_model_path
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
+from eagle3data.generate.backends.vllm_server import server_dtype
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
 from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
@@ -113,9 +114,8 @@ class VerifyResult:
 def compute_dtype(params: RunParams) -> str:
     """The dtype the target computes its states in, for the recompute's tolerance: the HF model's (`model.dtype`),
     or the vLLM server's (`hidden.vllm.server.dtype`, else `model.dtype`; `auto`, the checkpoint's: taken as bf16)."""
-    d = params.model.dtype
-    if params.hidden.backend == "vllm" and params.hidden.vllm is not None:
-        d = params.hidden.vllm.server.dtype or d
+    hv = params.hidden.vllm
+    d = server_dtype(params, hv) if params.hidden.backend == "vllm" and hv is not None else params.model.dtype
     return "bfloat16" if d == "auto" else d
 
 

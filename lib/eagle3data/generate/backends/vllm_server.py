@@ -104,13 +104,18 @@ def model_dir(params: RunParams) -> str:
     return str(resolve_model_path(path)) if path.startswith(EMBEDDED_PREFIX) else path
 
 
+def server_dtype(params: RunParams, v: VLLMParams) -> str:
+    """The `--dtype` the server runs the model in: the server's own setting, else `model.dtype`."""
+    return v.server.dtype or params.model.dtype
+
+
 def server_command(params: RunParams, v: VLLMParams, *, stage: str, extra_args: list[str] | None = None,
                    extra_env_path: list[str] | None = None) -> EngineCommand:
     """The exact command that serves params' model with `v.server`'s settings (plus a stage's own flags)."""
     srv, m = v.server, params.model
     port = srv.port or free_port(srv.host)
     argv = [engine_python(v), "-m", API_SERVER, "--model", model_dir(params), "--served-model-name", m.name,
-            "--host", srv.host, "--port", str(port), "--dtype", srv.dtype or m.dtype,
+            "--host", srv.host, "--port", str(port), "--dtype", server_dtype(params, v),
             "--tensor-parallel-size", str(srv.tensor_parallel_size), "--generation-config", "vllm"]
     if m.tokenizer_path:
         argv += ["--tokenizer", m.tokenizer_path]
