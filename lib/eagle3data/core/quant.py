@@ -263,7 +263,6 @@ class StateCodec:
             if not st.quantized:
                 parts.append(torch.zeros(values.shape, dtype=torch.float32))
                 continue
-            top = INT8_MAX if st.format == "int8" else FP8_MAX
             if values.dtype in (torch.int8, torch.float8_e4m3fn):  # as stored: values in steps
                 step = tensors[name + "_scales"].float()
                 if st.needs_channels:
@@ -273,10 +272,11 @@ class StateCodec:
                 raise StorageError(f"storage {st.name}: its error bound needs the stored scales and channels")
             else:  # decoded: the absmax value was encoded as `top` exactly (1% over it for the dtype's rounding)
                 x = values.float().abs()
+                top = INT8_MAX if st.format == "int8" else FP8_MAX
                 step = x.amax(dim=(1, 2) if st.scale == "token" else (2,), keepdim=True) * (1.01 / top)
                 y = x / step.clamp(min=1e-30)
             half = 0.5 if st.format == "int8" else 2.0 ** -4 * y + 2.0 ** -10
-            parts.append((half * step).expand(values.shape).float())
+            parts.append((half * step).expand(values.shape))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def as_dict(self) -> dict[str, Any]:

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from eagle3data.core.models import cache_dir
-from eagle3data.core.models import text_config
+from eagle3data.core.models import cache_dir, text_config
 from eagle3data.hidden.norms import read_final_norm, rms_norm, weight_files
 from eagle3data.hidden.verify_checks import UNIT_RMS_TOL, VerifyError, positions
 
