@@ -17,11 +17,12 @@ Stores: the embedded run's (`outputs/embedded/hidden`, from `make run`, verified
 outputs/bench/verify_embedded so the run itself is left as it was; without one, the nbval
 fixture records are extracted once into outputs/bench/verify_run), and `long_store`: the embedded
 prompts generated at 2048 new tokens and extracted once into outputs/bench/verify_long (about
-7 minutes the first time), whose samples are longer. `per_byte`: what the longer store costs
-beyond the embedded one, verify against the read (both stores in every round, `interleaved`):
+7 minutes the first time), whose samples are longer, and `large_params`: a store of 1.75 GB (109
+stdlib modules as code-review prompts, about 2,800 tokens each; about 34 minutes the first time). `per_byte`: what
+the large store costs beyond the embedded one, verify against the read (both stores in every round, `interleaved`):
 the per-byte ratio that a store much larger than a verification's fixed work (setup, the whole
 head's one GEMM) reaches, and the store size at which the whole verification reaches 0.5x.
-`from_storage`: both stores again, with their state files evicted from the page cache before each
+`from_storage`: each store again, with its state files evicted from the page cache before each
 read and each verification (`evict`), as a store of many GB is read. `reduction_floor`: the
 per-byte cost of converting and reducing every row against converting it, the bound of this
 design's figures.
@@ -95,6 +96,48 @@ def long_params():
         run_generate(p, progress=False)  # resumable: a stopped run goes on where it was
         run_extract(p, progress=False)
     return p, "outputs/bench/verify_long (embedded prompts, 2048 new tokens, extracted here)"
+
+
+LARGE_PROMPTS = 110  # modules of the standard library of at least LARGE_PROMPT_CHARS, one prompt each (3.11: 110)
+LARGE_PROMPT_CHARS = 10_000  # about 3,000 SmolLM2 tokens of Python source: a long-context prompt (code review)
+
+
+def large_params():
+    """A store of 1.75 GB (bf16), written once into outputs/bench/verify_large: one code-review prompt per module of this
+    Python's standard library (at most LARGE_PROMPTS, first by name, each cut to LARGE_PROMPT_CHARS), answered greedily
+    in 32 new tokens and extracted. Prompt-heavy long samples, as SWE-agent-style data is: a store large enough that
+    a verification's fixed work no longer decides the whole-store ratio, measured rather than extrapolated."""
+    import sysconfig
+
+    import yaml
+
+    from eagle3data.core.params import load_params
+    from eagle3data.generate.run import run_generate
+    from eagle3data.hidden.extract import run_extract
+
+    root = OUT / "verify_large"
+    data = root / "prompts" / "stdlib_review.jsonl"
+    if not data.exists():
+        lib = Path(sysconfig.get_paths()["stdlib"])
+        mods = [f for f in sorted(lib.glob("*.py")) if f.stat().st_size >= LARGE_PROMPT_CHARS][:LARGE_PROMPTS]
+        rows = [{"sample_id": i, "messages": [{"role": "user", "content": (
+            f"Review this Python module ({f.name}) and name its most serious bug risk:\n\n```python\n"
+            + f.read_text(encoding="utf-8", errors="replace")[:LARGE_PROMPT_CHARS] + "\n```")}]}
+            for i, f in enumerate(mods)]
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    raw = yaml.safe_load((REPO / "params" / "embedded.yaml").read_text(encoding="utf-8"))
+    raw.update(run_name="stdlib_review", output_root=str(root),
+               datasets=[{"name": "stdlib_review", "path": str(data)}])
+    raw["generate"]["sampling"]["max_new_tokens"] = 32
+    raw["hidden"].update(probe_batches=0, verify_after=False)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+    p = load_params(root / "params.yaml")
+    if not (p.run_dir / "hidden" / "index.json").exists():
+        run_generate(p, progress=False)
+        run_extract(p, progress=False)
+    return p, (f"outputs/bench/verify_large ({LARGE_PROMPTS} stdlib modules as code-review prompts, "
+               "32 new tokens, extracted here)")
 
 
 def reduction_floor(hdir: Path, rounds: int = 5) -> dict:
@@ -350,6 +393,9 @@ def main() -> int:
     ml = measure(lp, load_config(lp), scratch)
     m["from_storage"] = from_storage(p, cfg, scratch, m["plain_read_s"])
     ml["from_storage"] = from_storage(lp, load_config(lp), scratch, ml["plain_read_s"])
+    gp, large_where = large_params()
+    mg = measure(gp, load_config(gp), scratch)
+    mg["from_storage"] = from_storage(gp, load_config(gp), scratch, mg["plain_read_s"])
     t0 = time.perf_counter()
     full = verify_store(p, config=cfg, backend=BACKENDS["hf"](p, info, cfg), recompute="all",
                         positions=DEFAULT_POSITIONS, out=scratch)
@@ -370,11 +416,13 @@ def main() -> int:
         "z_prompt_floor": Z_PROMPT_FLOOR, "head_flops_per_byte": HEAD_FLOPS_PER_BYTE, "goal": ">= 0.5",
         **{k: v for k, v in m.items() if k not in private},
         "long_store": {"store": long_where, **{k: v for k, v in ml.items() if k not in private}},
-        # the longer store beyond the embedded one: the per-byte ratio a store much larger than the fixed work reaches
-        "per_byte": per_byte(*interleaved([(p, cfg), (lp, load_config(lp))], scratch)),
+        # the 1.75 GB store: the whole-store ratio where the fixed work is a few percent of the read
+        "large_store": {"store": large_where, **{k: v for k, v in mg.items() if k not in private}},
+        # the 1.75 GB store beyond the embedded one: the per-byte ratio a store much larger than the fixed work reaches
+        "per_byte": per_byte(*interleaved([(p, cfg), (gp, load_config(gp))], scratch)),
         # the per-byte floor of this design: converting and reducing every row, against converting it (the plain read)
         "reduction_floor": reduction_floor(hidden_dir(lp)),
-        "verify_ok": bool(m["verify_ok"] and ml["verify_ok"] and full.ok),
+        "verify_ok": bool(m["verify_ok"] and ml["verify_ok"] and mg["verify_ok"] and full.ok),
         "recompute_s_per_sample": round((with_all - m["_verify_s"]) / n, 4),
         "recompute_s_per_sample_inside_verify": round(full.summary["recompute_seconds"] / n, 4),
         "recompute_over_verify_per_sample": round((with_all - m["_verify_s"]) / m["_verify_s"], 3),

@@ -107,7 +107,15 @@ SPEC: list[Figure] = [
            "(`bench_verify.py`)", "verify.json", "long_store.from_storage.speed_vs_plain_read",
            "plain `HiddenReader` read of the same store from storage", 0.5,
            rounds="long_store.from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
-    Figure("verify.per_byte", "04 verify-hidden per byte: the longer store beyond the embedded one, the ratio a store "
+    Figure("verify.speed_large", "04 verify-hidden without recompute on a 1.75 GB store (109 stdlib modules as "
+           "code-review prompts, about 2,800 tokens each; `bench_verify.py`)", "verify.json",
+           "large_store.speed_vs_plain_read", "plain `HiddenReader` read of the same store, states to float32", 0.5,
+           rounds="large_store.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.from_storage_large", "04 verify-hidden without recompute, the 1.75 GB store read from storage "
+           "(`bench_verify.py`)", "verify.json", "large_store.from_storage.speed_vs_plain_read",
+           "plain `HiddenReader` read of the same store from storage", 0.5,
+           rounds="large_store.from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    Figure("verify.per_byte", "04 verify-hidden per byte: the 1.75 GB store beyond the embedded one, the ratio a store "
            "much larger than a verification's fixed work tends to (`bench_verify.py`)", "verify.json",
            "per_byte.speed_vs_plain_read", "the plain read's cost beyond the embedded store", None,
            rounds="per_byte.speed_vs_plain_read_per_round", value="per_byte.store_bytes_for_half_speed",
