@@ -99,7 +99,7 @@ def long_params():
 
 
 LARGE_PROMPTS = 110  # modules of the standard library of at least LARGE_PROMPT_CHARS, one prompt each (3.11: 110)
-LARGE_PROMPT_CHARS = 10_000  # about 3,000 SmolLM2 tokens of Python source: a long-context prompt (code review)
+LARGE_PROMPT_CHARS = 10_000  # about 2,800 SmolLM2 tokens of Python source: a long-context prompt (code review)
 
 
 def large_params():
@@ -136,8 +136,8 @@ def large_params():
     if not (p.run_dir / "hidden" / "index.json").exists():
         run_generate(p, progress=False)
         run_extract(p, progress=False)
-    return p, (f"outputs/bench/verify_large ({LARGE_PROMPTS} stdlib modules as code-review prompts, "
-               "32 new tokens, extracted here)")
+    return p, (f"outputs/bench/verify_large (stdlib modules of at least {LARGE_PROMPT_CHARS:,} characters as "
+               "code-review prompts, 32 new tokens, extracted here)")
 
 
 def reduction_floor(hdir: Path, rounds: int = 5) -> dict:
