@@ -390,12 +390,14 @@ def main() -> int:
     scratch = OUT / "verify_lines.jsonl"
     m = measure(p, cfg, scratch)
     lp, long_where = long_params()
-    ml = measure(lp, load_config(lp), scratch)
+    lcfg = load_config(lp)
+    ml = measure(lp, lcfg, scratch)
     m["from_storage"] = from_storage(p, cfg, scratch, m["plain_read_s"])
-    ml["from_storage"] = from_storage(lp, load_config(lp), scratch, ml["plain_read_s"])
+    ml["from_storage"] = from_storage(lp, lcfg, scratch, ml["plain_read_s"])
     gp, large_where = large_params()
-    mg = measure(gp, load_config(gp), scratch)
-    mg["from_storage"] = from_storage(gp, load_config(gp), scratch, mg["plain_read_s"])
+    gcfg = load_config(gp)
+    mg = measure(gp, gcfg, scratch)
+    mg["from_storage"] = from_storage(gp, gcfg, scratch, mg["plain_read_s"])
     t0 = time.perf_counter()
     full = verify_store(p, config=cfg, backend=BACKENDS["hf"](p, info, cfg), recompute="all",
                         positions=DEFAULT_POSITIONS, out=scratch)
@@ -419,7 +421,7 @@ def main() -> int:
         # the 1.75 GB store: the whole-store ratio where the fixed work is a few percent of the read
         "large_store": {"store": large_where, **{k: v for k, v in mg.items() if k not in private}},
         # the 1.75 GB store beyond the embedded one: the per-byte ratio a store much larger than the fixed work reaches
-        "per_byte": per_byte(*interleaved([(p, cfg), (gp, load_config(gp))], scratch)),
+        "per_byte": per_byte(*interleaved([(p, cfg), (gp, gcfg)], scratch)),
         # the per-byte floor of this design: converting and reducing every row, against converting it (the plain read)
         "reduction_floor": reduction_floor(hidden_dir(lp)),
         "verify_ok": bool(m["verify_ok"] and ml["verify_ok"] and mg["verify_ok"] and full.ok),

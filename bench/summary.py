@@ -56,6 +56,16 @@ class Figure:
     load: str | None = None  # the 1-minute load the JSON recorded when its run started
 
 
+
+def _verify_speed(name: str, what: str, at: str = "", cold: bool = False) -> Figure:
+    """A `bench_verify.py` speed row: verify-hidden against the plain read of the same store (`at`: the store's key in
+    verify.json, "" for the embedded one), with the page cache warm or, `cold`, read from storage."""
+    at += "from_storage." if cold else ""
+    base = "plain `HiddenReader` read of the same store" + (" from storage" if cold else ", states to float32")
+    return Figure(name, what, "verify.json", f"{at}speed_vs_plain_read", base, 0.5,
+                  rounds=f"{at}speed_vs_plain_read_per_round", load="load_average_at_start.0")
+
+
 SPEC: list[Figure] = [
     Figure("audit.in_memory", "03 id checks in memory, 63M Kimi-profile tokens (`bench_audit.py`)", "audit.json",
            "in_memory.speedup_vs_python_lists", "the same checks as Python list operations per record", 75.0,
@@ -92,29 +102,17 @@ SPEC: list[Figure] = [
     Figure("hidden.vllm_client_cpu", "04 through vLLM: the client's CPU-seconds per second of capture (`bench_hidden_vllm.py`)",
            "hidden_vllm.json", "vllm_client_cpu_over_capture", "the capture's wall time", None, better="lower",
            value="vllm_client_cpu_ms_per_sample", value_unit="ms CPU per sample", load="load_average_1_5_15.0"),
-    Figure("verify.speed", "04 verify-hidden without recompute, head on CPU, default positions (`bench_verify.py`)",
-           "verify.json", "speed_vs_plain_read", "plain `HiddenReader` read of the same store, states to float32",
-           0.5, rounds="speed_vs_plain_read_per_round", load="load_average_at_start.0"),
-    Figure("verify.speed_long", "04 verify-hidden without recompute on longer samples (the embedded prompts at 2048 "
-           "new tokens, 3.2x the tokens; `bench_verify.py`)", "verify.json", "long_store.speed_vs_plain_read",
-           "plain `HiddenReader` read of the same store, states to float32", 0.5,
-           rounds="long_store.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
-    Figure("verify.from_storage", "04 verify-hidden without recompute, the embedded store read from storage (its "
-           "files evicted from the page cache before each run; `bench_verify.py`)", "verify.json",
-           "from_storage.speed_vs_plain_read", "plain `HiddenReader` read of the same store from storage", 0.5,
-           rounds="from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
-    Figure("verify.from_storage_long", "04 verify-hidden without recompute, the longer samples read from storage "
-           "(`bench_verify.py`)", "verify.json", "long_store.from_storage.speed_vs_plain_read",
-           "plain `HiddenReader` read of the same store from storage", 0.5,
-           rounds="long_store.from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
-    Figure("verify.speed_large", "04 verify-hidden without recompute on a 1.75 GB store (109 stdlib modules as "
-           "code-review prompts, about 2,800 tokens each; `bench_verify.py`)", "verify.json",
-           "large_store.speed_vs_plain_read", "plain `HiddenReader` read of the same store, states to float32", 0.5,
-           rounds="large_store.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
-    Figure("verify.from_storage_large", "04 verify-hidden without recompute, the 1.75 GB store read from storage "
-           "(`bench_verify.py`)", "verify.json", "large_store.from_storage.speed_vs_plain_read",
-           "plain `HiddenReader` read of the same store from storage", 0.5,
-           rounds="large_store.from_storage.speed_vs_plain_read_per_round", load="load_average_at_start.0"),
+    _verify_speed("verify.speed", "04 verify-hidden without recompute, head on CPU, default positions (`bench_verify.py`)"),
+    _verify_speed("verify.speed_long", "04 verify-hidden without recompute on longer samples (the embedded prompts at "
+                  "2048 new tokens, 3.2x the tokens; `bench_verify.py`)", "long_store."),
+    _verify_speed("verify.from_storage", "04 verify-hidden without recompute, the embedded store read from storage (its "
+                  "files evicted from the page cache before each run; `bench_verify.py`)", cold=True),
+    _verify_speed("verify.from_storage_long", "04 verify-hidden without recompute, the longer samples read from storage "
+                  "(`bench_verify.py`)", "long_store.", cold=True),
+    _verify_speed("verify.speed_large", "04 verify-hidden without recompute on a 1.75 GB store (109 stdlib modules as "
+                  "code-review prompts, about 2,800 tokens each; `bench_verify.py`)", "large_store."),
+    _verify_speed("verify.from_storage_large", "04 verify-hidden without recompute, the 1.75 GB store read from storage "
+                  "(`bench_verify.py`)", "large_store.", cold=True),
     Figure("verify.per_byte", "04 verify-hidden per byte: the 1.75 GB store beyond the embedded one, the ratio a store "
            "much larger than a verification's fixed work tends to (`bench_verify.py`)", "verify.json",
            "per_byte.speed_vs_plain_read", "the plain read's cost beyond the embedded store", None,

@@ -29,11 +29,8 @@ def advise(advice: int, *paths: str | Path, step: int = 0) -> None:
         except OSError:
             continue
         try:
-            size = os.fstat(fd).st_size if step else 0
-            for at in range(0, max(size, 1), step or 1):
+            for at in range(0, max(os.fstat(fd).st_size, 1), step) if step else (0,):
                 os.posix_fadvise(fd, at, step, advice)  # releases the GIL; may wait while the disk queue is full
-                if not step:
-                    break
         except OSError:
             pass
         finally:
