@@ -351,8 +351,11 @@ def test_records_sampled_hotter_than_the_measured_floor_are_judged_against_the_r
 def test_cli_exit_status_and_bad_input(clean, tmp_path, capsys):
     p = _copy(clean, tmp_path)
     run = str(p.run_dir)
-    assert cli_main(["verify-hidden", run, "--recompute", "0", "--positions", "8"]) == 0
+    assert cli_main(["verify-hidden", run, "--recompute", "0", "--positions", "64"]) == 0
     assert "8 samples, 0 failed" in capsys.readouterr().out
+    for k in ("8", "63", "-1"):  # below the floors the limits were measured at: false failures, so refused in one line
+        assert cli_main(["verify-hidden", run, "--recompute", "0", "--positions", k]) == 2
+        assert f"verify-hidden --positions {k}: must be 0 (every position) or at least 64" in capsys.readouterr().err
     _mutate(p, m_zero)
     out = tmp_path / "lines.jsonl"
     assert cli_main(["verify-hidden", run, "--recompute", "1", "--out", str(out)]) == 1
@@ -582,7 +585,7 @@ def test_the_summary_table_and_the_report_show_no_nan(clean, tmp_path):
     from eagle3data.audit.report import verification_html
 
     p = _copy(clean, tmp_path)
-    res = _verify(p, positions=8)
+    res = _verify(p)
     t = res.table()
     assert t.loc["coverage", "upper95"] == "" and t.loc["finite", "upper95"] == f"{3 / 8:.2%}"
     assert not [v for v in t["upper95"] if "nan" in v.lower()]

@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "element-wise (default 2; 0 none; all)")
     v.add_argument("--positions", type=int, metavar="K", help="the most output and prompt positions per sample given "
                                                                "to the target's head (default 64; below it floors "
-                                                               "and a per-byte budget choose; 0 every position)")
+                                                               "and a per-byte budget choose; 0 every position; else at "
+                                                               "least 64)")
     v.add_argument("--out", help="write the per-sample lines here instead of hidden/verify.jsonl")
     v.set_defaults(func=cmd_verify_hidden)
 

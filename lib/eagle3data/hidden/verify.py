@@ -35,7 +35,7 @@ from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_
 from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
                                              VerifyError, chunk_figures, compare_states, exact_plan, head_counts, judge,
                                              out_z_floor, pooled_exact, profile_stats, recompute_failed,
-                                             run_head_problems, top1_limit, unique_starts)
+                                             positions_problem, run_head_problems, top1_limit, unique_starts)
 from eagle3data.hidden.verify_head import HeadBatch, head_figures, load_head
 
 VERIFY_FILE = "verify.jsonl"
@@ -142,6 +142,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     for none) picks any; `positions`: the most output and prompt positions per sample given to the head (each;
     0 = all); below it `verify_checks.head_counts` picks the count (floors for the checks' power, a budget per byte).
     """
+    if why := positions_problem(positions):
+        raise VerifyError(f"verify-hidden positions {positions}: {why}")
     t0 = time.perf_counter()
     hdir = hidden_dir(params)
     reader = HiddenReader(hdir)

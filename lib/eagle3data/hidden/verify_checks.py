@@ -31,6 +31,10 @@ EXACT_PER_SAMPLE = 16
 Z_OUT_FLOOR = 64
 Z_PROMPT_FLOOR = 64
 HEAD_FLOPS_PER_BYTE = 10.0
+# A cap on the positions per sample (`--positions`, `hidden.verify_positions`) is 0 (every position) or at least
+# the floors: the z limits were measured at 64 positions; at 32 prompt positions the embedded store's worst clean sample
+# failed 741 of 20,000 draws (docs/04 "Head positions"), so a lower cap fails clean samples.
+MIN_POSITIONS = max(Z_OUT_FLOOR, Z_PROMPT_FLOOR)
 REDUCE_BYTES = 2 * 2**20  # float32 bytes converted and reduced at once (within this CPU's 4 MiB L2; docs/04 "Cost")
 MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EXACT_PER_SAMPLE), the run's pooled mean
 # Logit z limits (mean over the sample's z positions; docs/04 "Thresholds"): per-sample means on the nbval fixture
@@ -124,6 +128,14 @@ def unique_starts(ids: dict[Any, Sequence[int]]) -> dict[Any, int]:
         c = common(arrs[a], arrs[b])
         out[a], out[b] = max(out[a], c), max(out[b], c)
     return out
+
+
+def positions_problem(cap: int) -> str | None:
+    """Why `cap` cannot be the most head positions per sample, or None: 0 (every position) or at least MIN_POSITIONS."""
+    if cap == 0 or cap >= MIN_POSITIONS:
+        return None
+    return (f"must be 0 (every position) or at least {MIN_POSITIONS} (the floors the logit-z limits were measured "
+            f"at: fewer positions fail clean samples)")
 
 
 def head_counts(n_bytes: int, hidden: int, cap: int) -> tuple[int, int]:

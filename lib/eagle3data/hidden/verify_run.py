@@ -17,7 +17,7 @@ from eagle3data.hidden.extract import Capture, layer_plan, load_config, load_ext
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store import HiddenReader, _torch_dtype
 from eagle3data.hidden.verify import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
-from eagle3data.hidden.verify_checks import VerifyError
+from eagle3data.hidden.verify_checks import VerifyError, positions_problem
 from eagle3data.hidden.verify_vllm import vllm_backend
 
 
@@ -64,8 +64,8 @@ def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: s
     run_dir = Path(run)
     if not run_dir.is_dir():
         raise VerifyError(f"{run_dir}: not a run folder (outputs/<run>)")
-    if positions is not None and positions < 0:
-        raise VerifyError(f"verify-hidden --positions {positions}: must be >= 0 (0 = every position)")
+    if positions is not None and (why := positions_problem(positions)):
+        raise VerifyError(f"verify-hidden --positions {positions}: {why}")
     per_shard = parse_recompute(recompute)
     params = params_of_run(run_dir)
     info = HiddenReader(hidden_dir(params)).info
