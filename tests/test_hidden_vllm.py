@@ -271,7 +271,7 @@ def test_verify_hidden_recomputes_a_vllm_store_through_the_server(fake_engine, v
     keys = HiddenReader(hidden_dir(p)).keys()
     before = len(completions(fake_engine))
     _scale_one_sample(p, keys[1], layer=1, factor=1.02)  # aux_mid of one sample, 2% off
-    verify_cli(str(p.run_dir), recompute="all", positions=4, out=None)
+    verify_cli(str(p.run_dir), recompute="all", positions=64, out=None)
     rows = [orjson.loads(x) for x in (hidden_dir(p) / "verify.jsonl").read_bytes().splitlines()]
     assert len(completions(fake_engine)) - before == len(keys)  # every sample recomputed by the server
     assert [r["key"] for r in rows if "recompute" in r["failed"]] == [keys[1]]
