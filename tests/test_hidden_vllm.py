@@ -300,6 +300,14 @@ def test_the_final_norm_kind_is_the_models_own():
     for mt in ("gpt_neox", "phi", "olmo"):  # LayerNorm finals (or none known): refused, in one line
         with pytest.raises(HiddenError, match=rf"model_type '{mt}': the kind of its final norm is not known"):
             norm_kind(AutoConfig.for_model(mt))
+    # the eps: the one norm reader's rule (`norms.norm_eps`, verify's head too): rms_norm_eps, else layer_norm_epsilon
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(model_type="llama", hidden_size=16)
+    with pytest.raises(HiddenError, match="the config has no rms_norm_eps"):
+        norm_kind(cfg)
+    cfg.layer_norm_epsilon = 1e-5
+    assert norm_kind(cfg) == "rms"
 
 
 def test_a_checkpoint_without_the_final_norm_is_refused(ci_run, tmp_path):

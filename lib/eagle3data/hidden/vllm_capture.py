@@ -38,7 +38,7 @@ from eagle3data.core.profiles import AuxLayers, get_profile
 from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
 from eagle3data.core.reader import Sample
 from eagle3data.core.models import text_config
-from eagle3data.hidden.norms import known_norm_kind, read_final_norm, rms_norm
+from eagle3data.hidden.norms import known_norm_kind, norm_eps, read_final_norm, rms_norm
 from eagle3data.generate.backends.engine import Engine, EngineSettings, Job, record_dict
 from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.vllm import VLLMBackend, completion_choices
@@ -109,9 +109,9 @@ def norm_kind(config: Any) -> str:
         raise HiddenError(f"model_type {mt!r}: the kind of its final norm is not known to eagle3data (hidden/norms."
                           "NORM_KINDS), so the post-norm state cannot be computed from vLLM's pre-norm one: set "
                           "hidden.final_state pre_norm, or use hidden.backend hf")
-    if getattr(text, "rms_norm_eps", None) is None:
-        raise HiddenError(f"model_type {mt!r}: the config has no rms_norm_eps: cannot compute the post-norm state "
-                          "(set hidden.final_state pre_norm)")
+    if norm_eps(config) is None:  # the eps rule of the one norm reader (verify's head reads it the same way)
+        raise HiddenError(f"model_type {mt!r}: the config has no rms_norm_eps (nor layer_norm_epsilon): cannot "
+                          "compute the post-norm state (set hidden.final_state pre_norm)")
     return kind
 
 
