@@ -118,7 +118,7 @@ SPEC: list[Figure] = [
            "per_byte.speed_vs_plain_read", "the plain read's cost beyond the embedded store", None,
            rounds="per_byte.speed_vs_plain_read_per_round", value="per_byte.store_bytes_for_half_speed",
            value_unit="bytes: the store size at which the whole verify reaches 0.5×", load="load_average_at_start.0"),
-    Figure("verify.reduction_floor", "04 verify-hidden: every row converted and reduced (sum, 2-norm), the "
+    Figure("verify.reduction_floor", "04 verify-hidden: every row converted and reduced (2-norm, first element), the "
            "per-byte floor of its figures (`bench_verify.py`)", "verify.json", "reduction_floor.plain_over_reduce",
            "the same states converted to float32 (the plain read's work)", None, load="load_average_at_start.0"),
     Figure("verify.streaming", "04 verify-hidden: the streamed pass alone, without the once-per-verify setup "

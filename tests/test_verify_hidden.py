@@ -545,6 +545,21 @@ def test_prompt_positions_start_after_the_prefix_another_sample_shares():
     assert got == {"a": 4, "b": 4, "c": 0, "turn0": 4, "turn1": 4}
 
 
+def test_the_heads_top1_and_logprob_are_argmax_and_log_softmax():
+    """The exact head's reductions, blocked while in cache (`_argmax_logsumexp`), equal torch's argmax and
+    log_softmax on every row, at a row count that is no multiple of the block."""
+    from eagle3data.hidden.verify_head import LSE_ROWS, _argmax_logsumexp
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2 * LSE_ROWS + 5, 4099, generator=g) * 4
+    logits[3, 17] = 60.0  # one row dominated by one logit (its exp(. - max) sums to ~1)
+    best, lse = _argmax_logsumexp(logits)
+    assert torch.equal(best, logits.argmax(1))
+    tgt = torch.randint(0, 4099, (len(logits),), generator=g)
+    lp = logits.gather(1, tgt[:, None])[:, 0] - lse
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(1, tgt[:, None])[:, 0], rtol=0, atol=2e-5)
+
+
 def test_the_logit_z_is_the_one_the_whole_head_gives(clean):
     """Head.logit_z (2 x hidden^2 FLOPs) equals (logit - mean) / std over the vocabulary of the full logits (2 x
     hidden x vocab), and Cantelli's bound on the share of the vocabulary at or above the target holds."""

@@ -177,23 +177,23 @@ def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]
     """The figures that need no head, for each sample `(first row, rows)` of `spans` in the states `hs` [tokens, S,
     hidden] of consecutive samples: finiteness, flat rows, duplicate layers, norm profile.
 
-    Two reductions per row (sum and 2-norm), over all the samples at once, decide every figure; the element-wise
-    tests run only on the rows (or layer pairs) those sums cannot clear, so the verdicts are exact (NaN and Inf
-    count as 0 in every figure but `nonfinite`). Returns the figures per span.
+    One reduction per row (its 2-norm), over all the samples at once, and the row's first element decide every
+    figure; the element-wise tests run only on the rows (or layer pairs) those cannot clear, so the verdicts are
+    exact (NaN and Inf count as 0 in every figure but `nonfinite`). Returns the figures per span.
     """
     import numpy as np
     import torch
 
     t, s, h = hs.shape
-    s1, nrm = torch.empty(t, s), torch.empty(t, s)
+    nrm, x0 = torch.empty(t, s), torch.empty(t, s)
     step = max(1, REDUCE_BYTES // (4 * s * h))  # rows per float32 block: converted and reduced while in cache
     buf = torch.empty(min(t, step), s, h)
-    for a in range(0, t, step):  # converted, then reduced in float32: reducing the stored bf16 directly (sum and norm
-        # with dtype=float32) took 46 ms for the embedded store's 34 MB, these three 16 ms for 64 MB (2026-12-02)
+    for a in range(0, t, step):  # converted, then reduced in float32 (docs/04 "Cost": reducing the stored bf16
+        # directly with dtype=float32 was 4-5x slower; a second reduction, the row sum, cost 12% of the pass)
         x = buf[:min(step, t - a)]
         x.copy_(hs[a:a + step])
-        torch.sum(x, -1, out=s1[a:a + step])
         torch.linalg.vector_norm(x, dim=-1, out=nrm[a:a + step])
+        x0[a:a + step] = x[:, :, 0]
     owner = torch.full((t,), -1, dtype=torch.long)  # the span of each row
     for i, (a, n) in enumerate(spans):
         owner[a:a + n] = i
@@ -204,31 +204,30 @@ def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]
             if i >= 0:
                 into[i] += int(c)
 
-    odd = ~(torch.isfinite(s1) & torch.isfinite(nrm))  # a NaN/Inf element makes its row's sums non-finite
+    odd = ~torch.isfinite(nrm)  # a NaN/Inf element makes its row's norm non-finite
     if bool(odd.any()):
         rows = odd.any(1).nonzero()[:, 0]
         x = hs[rows].float()
         per_span(rows, (~torch.isfinite(x)).sum((1, 2)), nonfinite)
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        s1[rows], nrm[rows] = x.sum(-1), torch.linalg.vector_norm(x, dim=-1)
-    ms, mu = nrm.square() / h, s1 / h
-    maybe_flat = (ms - mu.square()) <= 1e-4 * ms  # a constant row has (rounding-)zero variance; others do not
+        nrm[rows], x0[rows] = torch.linalg.vector_norm(x, dim=-1), x[:, :, 0]
+    # a constant row c has norm |c| sqrt(h) and first element c; a row that is not within rounding of that is not flat
+    maybe_flat = (x0.abs() * h ** 0.5 - nrm).abs() <= 1e-4 * nrm
     if bool(maybe_flat.any()):
         rows = maybe_flat.any(1).nonzero()[:, 0]
         cand = torch.nan_to_num(hs[rows].float(), nan=0.0, posinf=0.0, neginf=0.0)
         per_span(rows, ((cand.amax(-1) == cand.amin(-1)) & maybe_flat[rows]).sum(1), flat)
-    # equal layers have equal sums and norms up to the summation order's rounding: every pair of layers of every
-    # row at once [tokens, pairs], then per span whether all its rows agree (a running count of the rows that differ)
-    la, lb = torch.triu_indices(s, s, 1)
-    tol = 1e-4 * (nrm * h ** 0.5)
-    differ = ~(((s1[:, la] - s1[:, lb]).abs() <= tol[:, la] + tol[:, lb])
-               & ((nrm[:, la] - nrm[:, lb]).abs() <= 1e-4 * (nrm[:, la] + nrm[:, lb])))
-    runs = torch.cat([torch.zeros(1, len(la), dtype=torch.int32), differ.to(torch.int32).cumsum(0, dtype=torch.int32)])
+    # equal layers have equal row norms up to the reduction order's rounding, so equal sums of them over a span: each
+    # span's sum per layer (float64 running sums), then every pair of layers; the spans that agree are compared exactly
+    runs = torch.cat([torch.zeros(1, s, dtype=torch.float64), nrm.double().cumsum(0)])
     first = torch.tensor([a for a, _ in spans], dtype=torch.long)
     last = torch.tensor([a + n for a, n in spans], dtype=torch.long)
+    tot = runs[last] - runs[first]  # [spans, S]
+    la, lb = torch.triu_indices(s, s, 1)
+    same = (tot[:, la] - tot[:, lb]).abs() <= 1e-4 * (tot[:, la] + tot[:, lb])
     dups: list[list[list[str]]] = [[] for _ in spans]
     pairs = list(zip(la.tolist(), lb.tolist()))
-    for i, j in ((runs[last] - runs[first]) == 0).nonzero().tolist():  # (span, pair) with no row that differs
+    for i, j in same.nonzero().tolist():  # (span, pair) whose norms agree
         a, n = spans[i]
         if torch.equal(hs[a:a + n, pairs[j][0]], hs[a:a + n, pairs[j][1]]):
             dups[i].append([names[pairs[j][0]], names[pairs[j][1]]])

@@ -20,6 +20,7 @@ from eagle3data.hidden.verify_checks import UNIT_RMS_TOL, VerifyError, positions
 
 HEAD_BATCH = 512  # positions per head GEMM, across samples
 UNIT_ROWS = 32  # rows per sample at which the final state's kind is judged (`head_figures`)
+LSE_ROWS = 16  # logit rows reduced at once by `_argmax_logsumexp` (16 x 49,152 float32 = 3 MiB)
 
 
 def _shortest(names: Sequence[str], suffix: str) -> str | None:
@@ -179,9 +180,9 @@ class HeadBatch:
             rows = torch.tensor(ex, dtype=torch.long)
             logits = torch.nn.functional.linear(x[rows], self.head.lm_head)
             et = tgt[rows]
-            best = logits.argmax(1)
+            best, lse = _argmax_logsumexp(logits)
             tl = logits.gather(1, et[:, None])[:, 0]
-            lp = torch.log_softmax(logits, dim=-1).gather(1, et[:, None])[:, 0]  # the fused kernel; logsumexp is slower
+            lp = tl - lse
             miss = best != et
             rank = torch.zeros_like(et)
             if bool(miss.any()):
@@ -209,6 +210,19 @@ class HeadBatch:
         if got is None:
             return {f"{prefix}_positions": 0}
         return {f"{prefix}_{k}": v for k, v in got.items()}
+
+
+def _argmax_logsumexp(logits: Any, rows: int = LSE_ROWS) -> tuple[Any, Any]:
+    """Per row of `logits` [k, vocab]: (the index of its largest value, log-sum-exp), `rows` rows at a time while they
+    are in cache: one `torch.max` gives the largest value and its index, then exp(logits - max) is summed. On 308 x
+    49,152 float32 logits 10.7 ms, against 37.7 ms for argmax and log_softmax (2026-12-04, docs/04 "Cost")."""
+    import torch
+
+    best, lse = torch.empty(len(logits), dtype=torch.long), torch.empty(len(logits))
+    for a in range(0, len(logits), rows):
+        m, best[a:a + rows] = torch.max(logits[a:a + rows], 1)
+        lse[a:a + rows] = m + torch.sub(logits[a:a + rows], m[:, None]).exp_().sum(1).log_()
+    return best, lse
 
 
 def _position_figures(rank: Any, lp: Any) -> dict[str, Any]:
