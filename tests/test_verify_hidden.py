@@ -396,14 +396,16 @@ def stat_figures(hs, names):
 
 
 def test_the_fused_figures_equal_the_element_wise_ones():
-    """chunk_figures decides flat rows, duplicate layers and NaN from two row sums, then checks only the suspects:
-    the counts equal the element-wise ones on a tensor with each planted."""
+    """chunk_figures decides flat rows, duplicate layers and NaN from each row's norm and first element, then checks
+    only the suspects: the counts equal the element-wise ones on a tensor with each planted."""
 
     g = torch.Generator().manual_seed(0)
     hs = (torch.randn(40, 5, 96, generator=g) * 3).to(torch.bfloat16)
     hs[7, 1] = 0
     hs[9, 4] = 2.5  # constant, not zero
     hs[11, 0, :95] = 1.0  # all but one equal: not flat
+    hs[12, 1] = -1.0
+    hs[12, 1, 40] = 1.0  # every |x| equal, so its norm is |first| sqrt(hidden): a suspect, and not flat
     hs[:, 3] = hs[:, 2]
     hs[5, 0, 3] = float("nan")
     hs[6, 2, 0] = float("inf")  # layers 2 and 3 now differ in one element
