@@ -380,15 +380,6 @@ class HiddenParams(Strict):
             raise ValueError("backend 'vllm' needs a `hidden.vllm` section (base_url, or launch: true)")
         return self
 
-    @field_validator("verify_positions")
-    @classmethod
-    def _positions_keep_the_floors(cls, v: int) -> int:
-        from eagle3data.hidden.verify_checks import positions_problem
-
-        if why := positions_problem(v):
-            raise ValueError(why)
-        return v
-
     @field_validator("layout")
     @classmethod
     def _known_layout(cls, v: str) -> str:
