@@ -161,6 +161,24 @@ def test_a_trainer_layout_holds_only_what_its_trainer_reads_natively():
     assert ok.hidden.codec().aux == Storage("fp8_e4m3", "token")
 
 
+def test_int8_with_one_scale_per_token_over_several_states_is_refused():
+    """int8's linear grid under one scale per token flushes the smaller states (docs/04 Store: aux_low and the
+    post-norm state keep top-1 0.57-0.58, and verify-hidden fails every sample): refused in params, naming the way out;
+    one state alone under its own scale, and FP8's log grid, are not."""
+    base = REPO / "params" / "ci.yaml"
+    for extra in ({}, {"hidden.final_storage": "bf16"}, {"hidden.final_state": "pre_norm"}):
+        with pytest.raises(ParamsError, match="storage int8 with storage_scale token: one scale per token over"):
+            load_params(base, {"hidden.storage": "int8", "hidden.storage_scale": "token", **extra})
+    with pytest.raises(ParamsError, match="over 2 states"):  # the final group alone: pre- and post-norm share a scale
+        load_params(base, {"hidden.storage": "bf16", "hidden.final_storage": "int8", "hidden.storage_scale": "token",
+                           "hidden.final_state": "both"})
+    one = load_params(base, {"hidden.storage": "bf16", "hidden.final_storage": "int8", "hidden.storage_scale": "token",
+                             "hidden.final_state": "pre_norm"})
+    assert one.hidden.codec().final == Storage("int8", "token")
+    assert load_params(base, {"hidden.storage": "fp8_e4m3", "hidden.storage_scale": "token"}).hidden.storage == "fp8_e4m3"
+    assert load_params(base, {"hidden.storage": "int8", "hidden.storage_scale": "token_state"}).hidden.storage == "int8"
+
+
 def test_the_estimate_shows_every_storage_and_the_chosen_one(ci_run, tmp_path, model, monkeypatch):
     from eagle3data.hidden.extract import estimate
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.profiles import PROFILES
-from eagle3data.core.quant import StateCodec, layout_storage_problem
+from eagle3data.core.quant import StateCodec, storage_problem
 from eagle3data.prompts.formats import FORMATS
 from eagle3data.trainers.registry import TRAINERS, get_trainer
 
@@ -397,7 +397,7 @@ class HiddenParams(Strict):
 
     @model_validator(mode="after")
     def _layout_reads_its_storage(self) -> "HiddenParams":
-        problem = layout_storage_problem(self.layout, self.codec())
+        problem = storage_problem(self.layout, self.codec())
         if problem:
             raise ValueError(problem)
         return self

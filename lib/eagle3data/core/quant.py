@@ -302,8 +302,16 @@ def _dtype_size(name: str) -> int:
     return int(getattr(_torch(), name).itemsize)
 
 
-def layout_storage_problem(layout: str, codec: StateCodec) -> str | None:
-    """Why a trainer's per-sample layout cannot hold this storage (it holds only what its trainer reads natively)."""
+def storage_problem(layout: str, codec: StateCodec) -> str | None:
+    """Why 04 cannot store its states this way, or None: int8 with one scale per token over several states (the
+    smaller states keep a few of its 255 steps, so verify-hidden fails every sample of such a store), or a trainer's
+    per-sample layout that holds only what its trainer reads natively."""
+    for _, first, stop, st in codec.groups:
+        if st.format == "int8" and st.scale == "token" and stop - first > 1:
+            return (f"storage int8 with storage_scale token: one scale per token over {stop - first} states leaves "
+                    "the smaller states (aux_low, the post-norm state) a few of int8's steps (top-1 0.57-0.58 on the "
+                    "embedded run, docs/04 Store) and verify-hidden fails every sample: use storage_scale "
+                    "channel_rms (the default) or token_state")
     if not codec.quantized or layout == "shards":
         return None
     if layout == "speculators" and codec.aux == codec.final and codec.aux.format == "fp8_e4m3" \
