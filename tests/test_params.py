@@ -30,4 +30,3 @@ def test_overrides_are_parsed_and_validated():
         load_params(REPO / "params" / "ci.yaml", {"generate.sampling.max_new_tokens": "-1"})
     with pytest.raises(ParamsError, match="unknown profile"):
         load_params(REPO / "params" / "ci.yaml", {"profile": "llama"})
-
