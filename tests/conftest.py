@@ -48,11 +48,34 @@ def ci_run(tmp_path_factory):
     return params
 
 
-def pytest_sessionstart(session):
-    """Fresh copies of the committed fixture runs for the nbval golden notebooks (tests/golden/)."""
+# This session's own copy of the fixture runs the golden notebooks read: a folder per pytest process, so two
+# sessions in one checkout (two agents, an editor's test run beside `make test`) never reset each other's runs
+NBVAL_ROOT = f"outputs/.nbval/session-{os.getpid()}"
+
+
+def _golden_refresh():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("golden_refresh", REPO / "tests" / "golden" / "refresh.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.reset_fixture_runs()
+    return mod
+
+
+def pytest_sessionstart(session):
+    """Fresh copies of the committed fixture runs for the nbval golden notebooks (tests/golden/), in this session's folder."""
+    mod = _golden_refresh()
+    mod.drop_finished_sessions()
+    mod.reset_fixture_runs(NBVAL_ROOT)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Point each golden notebook's injected parameters at this session's copy (`overrides` names its output_root)."""
+    for item in items:
+        cell = getattr(item, "cell", None)
+        if cell is None or "injected-parameters" not in cell.get("metadata", {}).get("tags", []):
+            continue
+        if "overrides = {}" not in cell.source:
+            raise pytest.UsageError(f"{item.nodeid}: the injected parameters cell has no `overrides = {{}}` to point "
+                                    f"at this session's fixture runs: {cell.source!r}")
+        cell.source = cell.source.replace("overrides = {}", f"overrides = {{'output_root': {NBVAL_ROOT!r}}}")

@@ -62,3 +62,48 @@ def test_golden_audit_notebook_catches_a_changed_count(tmp_path, mutate):
     else:
         assert proc.returncode != 0
         assert "check-table" in proc.stdout and "output.ends_with_eot" in proc.stdout, proc.stdout[-4000:]
+
+
+def _refresh_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("golden_refresh_t", REPO / "tests" / "golden" / "refresh.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_session_runs_the_golden_notebooks_on_its_own_copy():
+    """Two pytest sessions in one checkout: each golden notebook's parameters name this session's folder."""
+    import os
+    from types import SimpleNamespace
+
+    import conftest
+    from eagle3data.core.params import load_params
+
+    assert conftest.NBVAL_ROOT == f"outputs/.nbval/session-{os.getpid()}"
+    for name in ("03_audit", "03_audit_kimi", "05_export"):
+        nb = nbformat.read(REPO / "tests/golden" / f"{name}.ipynb", as_version=4)
+        cell = next(c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", []))
+        conftest.pytest_collection_modifyitems(None, None, [SimpleNamespace(cell=cell, nodeid=name)])
+        ns: dict = {}
+        exec(cell.source, ns)
+        run_dir = load_params(ns["params_file"], ns["overrides"]).run_dir
+        assert run_dir.parent == REPO / conftest.NBVAL_ROOT, (name, run_dir)
+        assert run_dir.is_dir(), f"{run_dir}: the session start copies the fixture run there"
+    bare = nbformat.v4.new_code_cell('params_file = "x.yaml"\n', metadata={"tags": ["injected-parameters"]})
+    with pytest.raises(pytest.UsageError, match="overrides"):
+        conftest.pytest_collection_modifyitems(None, None, [SimpleNamespace(cell=bare, nodeid="x")])
+
+
+def test_a_finished_sessions_folder_is_dropped_and_a_running_ones_kept(tmp_path, monkeypatch):
+    import os
+
+    mod = _refresh_module()
+    monkeypatch.setattr(mod, "SESSIONS", tmp_path)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    finished, running = tmp_path / f"session-{done.stdout.strip()}", tmp_path / f"session-{os.getpid()}"
+    for p in (finished, running):
+        (p / "nbval").mkdir(parents=True)
+    assert mod.drop_finished_sessions() == [finished]
+    assert running.is_dir() and not finished.exists()

@@ -32,19 +32,40 @@ GOLDENS = {
 }
 
 
-def reset_fixture_runs() -> list[Path]:
-    """Fresh copies of the committed fixture runs under outputs/.nbval/ (what the notebooks read)."""
+SESSIONS = REPO / "outputs" / ".nbval"
+
+
+def reset_fixture_runs(output_root: str | None = None) -> list[Path]:
+    """Fresh copies of the committed fixture runs under `output_root` (the params' own, outputs/.nbval/, by default).
+
+    A pytest session passes its own folder (outputs/.nbval/session-<pid>/, tests/conftest.py), so
+    concurrent sessions in one checkout do not reset each other's runs.
+    """
     from eagle3data.core.params import load_params
 
     out = []
     for params_file in sorted({p for _, p in GOLDENS.values()}):
-        params = load_params(REPO / params_file)
+        params = load_params(REPO / params_file, {"output_root": output_root} if output_root else None)
         src = FIXTURES / "runs" / params.run_name
         if params.run_dir.exists():
             shutil.rmtree(params.run_dir)
         shutil.copytree(src, params.run_dir)
         out.append(params.run_dir)
     return out
+
+
+def drop_finished_sessions() -> list[Path]:
+    """Remove the session folders (outputs/.nbval/session-<pid>/) of pytest processes that are gone.
+
+    A finished session's folder stays until the next session starts, to look into after a failure.
+    """
+    import psutil
+
+    gone = [p for p in SESSIONS.glob("session-*")
+            if p.name.removeprefix("session-").isdigit() and not psutil.pid_exists(int(p.name.removeprefix("session-")))]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def main(names: list[str]) -> None:
