@@ -18,10 +18,12 @@ LIB = REPO / "lib" / "eagle3data"
 ORDER = ["core", "trainers", "prompts", "generate", "rebuild", "audit", "hidden", "export"]
 ENTRY = {"eagle3data", "eagle3data.__main__", "eagle3data.cli", "eagle3data.headless", "eagle3data.preflight"}  # may import any stage
 # the imports against the order, with their reasons
-ALLOWED = {("eagle3data.core.params", "eagle3data.prompts.formats"):
+ALLOWED = {("eagle3data.core.params.generate", "eagle3data.prompts.formats"):
            "params validate a dataset's format name against the one registry of formats",
-           ("eagle3data.core.params", "eagle3data.trainers.registry"):
-           "params validate a layout or trainer name, and its final state, against the one registry of trainers"}
+           ("eagle3data.core.params.hidden", "eagle3data.trainers.registry"):
+           "params validate a layout name, and its final state, against the one registry of trainers",
+           ("eagle3data.core.params.export", "eagle3data.trainers.registry"):
+           "params validate a trainer name against the one registry of trainers"}
 MAX_LINES = 600
 # modules the vLLM server loads in its own venv (engine side), with the reason: they import no eagle3data,
 # and nothing in eagle3data imports them (the project's import path never needs vllm)
@@ -229,10 +231,46 @@ def _defined(mod_path: Path) -> set[str]:
     return names
 
 
+def _public_face(mod: str, path: Path) -> tuple[set[str], list[str]]:
+    """A package's public face: the names its `__init__` lists in `__all__` and imports from the package's own
+    modules (`eagle3data.core.params` names RunParams from `core/params/run.py`), and the imports of such an
+    `__init__` that reach outside the package (a face shows its own modules' names, never another package's)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    listed = {e.value for n in tree.body if isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets) for e in n.value.elts}
+    if path.name != "__init__.py" or not listed:
+        return set(), []
+    own, outside = set(), []
+    for n in tree.body:
+        if isinstance(n, ast.ImportFrom):
+            if (n.module or "").startswith(mod + "."):
+                own.update(a.asname or a.name for a in n.names)
+            else:
+                outside.append(f"{n.module}: {', '.join(a.name for a in n.names)}")
+    return own & listed, outside
+
+
+def test_a_package_face_shows_only_its_own_modules_names():
+    """`__all__` in a package's `__init__` may name what the package's own modules define (users import the params
+    from `eagle3data.core.params`, as before it was a package); a face never passes on another package's names."""
+    bad = {m: out for m, p in _modules().items() if (out := _public_face(m, p)[1])}
+    assert not bad, f"package faces importing from outside their package: {bad}"
+
+
+def test_the_public_face_check_can_fail(tmp_path):
+    init = tmp_path / "__init__.py"
+    init.write_text("from eagle3data.core.params.run import RunParams\nfrom eagle3data.core.reader import SampleKey\n"
+                    "__all__ = ['RunParams', 'SampleKey']\n")
+    assert _public_face("eagle3data.core.params", init) == ({"RunParams"}, ["eagle3data.core.reader: SampleKey"])
+    init.write_text("from eagle3data.core.params.run import RunParams\n")  # no __all__: no face, RunParams not its name
+    assert _public_face("eagle3data.core.params", init) == (set(), [])
+
+
 def test_every_name_is_imported_from_its_real_home():
-    """`from eagle3data.X import n` names the module that defines n (or the submodule n): no re-exports."""
+    """`from eagle3data.X import n` names the module that defines n (or the submodule n), or the package whose public
+    face (`__all__` in its `__init__`, from its own modules) names n: no other re-exports."""
     mods = _modules()
-    defined = {m: _defined(p) for m, p in mods.items()}
+    defined = {m: _defined(p) | _public_face(m, p)[0] for m, p in mods.items()}
     files = [*LIB.rglob("*.py"), *REPO.glob("tests/*.py"), *REPO.glob("bench/*.py"), *REPO.glob("notebooks/*.py")]
     bad = []
     for f in files:
