@@ -380,7 +380,8 @@ def main() -> int:
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader, stored_bytes_per_token
     from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
-    from eagle3data.hidden.verify_checks import EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, Z_OUT_FLOOR, Z_PROMPT_FLOOR
+    from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
+    from eagle3data.hidden.verify_checks import EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE
     from eagle3data.hidden.verify_run import BACKENDS
 
     load_start = os.getloadavg()
@@ -470,9 +471,9 @@ def power(p, cfg, draws: int = 20000) -> dict:
     from eagle3data.core.models import resolve_model_path
     from eagle3data.hidden.mix import hidden_dir
     from eagle3data.hidden.store import HiddenReader
-    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, MIN_OUT_Z, MIN_PROMPT_Z, TOP1_ALPHA,
-                                                 TOP1_CLEAN_MISS, Z_OUT_FLOOR, Z_PROMPT_FLOOR, binom_tail, top1_limit,
-                                                 unique_starts)
+    from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
+    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, MIN_OUT_Z, MIN_PROMPT_Z, TOP1_ALPHA, TOP1_CLEAN_MISS,
+                                                 binom_tail, top1_limit, unique_starts)
     from eagle3data.hidden.verify_head import load_head
 
     head = load_head(resolve_model_path(p.model.path), cfg)

@@ -30,3 +30,17 @@ def test_overrides_are_parsed_and_validated():
         load_params(REPO / "params" / "ci.yaml", {"generate.sampling.max_new_tokens": "-1"})
     with pytest.raises(ParamsError, match="unknown profile"):
         load_params(REPO / "params" / "ci.yaml", {"profile": "llama"})
+
+
+def test_verify_positions_below_the_floors_are_refused():
+    """04's verification at a cap below the floors its logit-z limits were measured at fails clean samples: a params
+    error naming the key (also through `-p`), unless 04 verifies nothing."""
+    ci = REPO / "params" / "ci.yaml"
+    assert load_params(ci, {"hidden.verify_positions": "0"}).hidden.verify_positions == 0
+    assert load_params(ci, {"hidden.verify_positions": "64"}).hidden.verify_positions == 64
+    for k in ("1", "32", "63"):
+        with pytest.raises(ParamsError, match=r"`hidden.verify_positions`: Value error, must be 0 \(every position\) "
+                                              r"or at least 64"):
+            load_params(ci, {"hidden.verify_positions": k})
+    unverified = load_params(ci, {"hidden.verify_positions": 8, "hidden.verify_after": False})
+    assert unverified.hidden.verify_positions == 8  # no verification of its own to judge at it

@@ -461,9 +461,9 @@ def test_the_reader_streams_whole_samples_in_runs_of_bounded_size(clean):
 
 
 def test_head_positions_have_floors_a_budget_and_a_cap():
-    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, Z_OUT_FLOOR, Z_PROMPT_FLOOR,
-                                                 binom_tail, exact_plan, head_counts, top1_limit, TOP1_ALPHA,
-                                                 TOP1_CLEAN_MISS)
+    from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
+    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, binom_tail, exact_plan, head_counts,
+                                                 top1_limit, TOP1_ALPHA, TOP1_CLEAN_MISS)
 
     hidden, vocab, tok = 576, 49152, 5760
     assert head_counts(100 * tok, hidden, 64) == (Z_OUT_FLOOR, Z_PROMPT_FLOOR)  # short: the floors

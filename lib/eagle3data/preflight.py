@@ -8,7 +8,6 @@ from typing import Any
 
 from eagle3data.core.models import EMBEDDED_PREFIX, TOKENIZER_SOURCES, _load_plugins
 from eagle3data.core.params import ParamsError
-from eagle3data.hidden.verify_checks import positions_problem
 from eagle3data.prompts.load import check_dataset_files
 
 
@@ -28,9 +27,9 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
     Checked before any work: the model and tokenizer folders (for the stages that load them),
     every prompt dataset for 01 (`prompts.check_dataset_files`: UTF-8 JSON text or what its name
     says, a `.json` array not cut off, its first rows of its format and not all rejected, a
-    folder's config picked; every bad dataset named, one line each), for the `openai`
-    backend in 01, the environment variable that holds the API key, and for 04 a head-position cap
-    its own verification cannot judge at (`verify_checks.positions_problem`).
+    folder's config picked; every bad dataset named, one line each), and, for the `openai`
+    backend in 01, the environment variable that holds the API key. (A head-position cap 04's own
+    verification cannot judge at is a params error: `core/params/hidden.positions_problem`.)
     """
     problems: list[str] = []
     m = params.model
@@ -47,9 +46,6 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
             check_dataset_files(params)
         except ParamsError as e:
             problems.extend(x for x in str(e).splitlines() if x.strip())
-    h = params.hidden
-    if "04_extract_hidden" in stages and h.verify_after and (why := positions_problem(h.verify_positions)):
-        problems.append(f"hidden.verify_positions: {h.verify_positions}: {why}")  # 04's own verify, after the capture
     g = params.generate
     if "01_generate" in stages and g.backend == "openai" and g.openai is not None:
         env = g.openai.api_key_env

@@ -27,6 +27,7 @@ import orjson
 
 from eagle3data.core.models import resolve_model_path
 from eagle3data.core.params import RunParams
+from eagle3data.core.params.hidden import positions_problem
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.generate.backends.vllm_server import server_dtype
@@ -35,7 +36,7 @@ from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_
 from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
                                              VerifyError, chunk_figures, compare_states, exact_plan, head_counts, judge,
                                              out_z_floor, pooled_exact, profile_stats, recompute_failed,
-                                             positions_problem, run_head_problems, top1_limit, unique_starts)
+                                             run_head_problems, top1_limit, unique_starts)
 from eagle3data.hidden.verify_head import HeadBatch, head_figures, load_head
 
 VERIFY_FILE = "verify.jsonl"

@@ -15,6 +15,7 @@ import math
 from typing import Any, Sequence
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
 
 # Limits measured on clean stores (docs/04 "Verify" gives the figures they come from).
 # head_top1 (greedy records): a sample fails when its top-1 misses at K output positions are more than a clean
@@ -22,19 +23,14 @@ from eagle3data.core.errors import UserInputError
 TOP1_CLEAN_MISS = 0.03
 TOP1_ALPHA = 1e-6
 # Head positions (docs/04 "Head positions"): per sample at least Z_OUT_FLOOR output and Z_PROMPT_FLOOR prompt positions
-# scored by the logit z (`Head.logit_z`), more when HEAD_FLOPS_PER_BYTE x the sample's stored bytes buys more, at most
-# the `positions` cap; over the run the same budget buys output positions through the whole head (top-1, log-prob;
-# at least EXACT_RUN_FLOOR, `exact_plan`), judged pooled over the run (`run_head_problems`) and per sample from
-# EXACT_PER_SAMPLE of them (head_logprob; head_top1 from the fewest that can fail, `top1_limit`).
+# (core/params/hidden.py, beside the cap rule they set) scored by the logit z (`Head.logit_z`), more when
+# HEAD_FLOPS_PER_BYTE x the sample's stored bytes buys more, at most the `positions` cap; over the run the same budget
+# buys output positions through the whole head (top-1, log-prob; at least EXACT_RUN_FLOOR, `exact_plan`), judged pooled
+# over the run (`run_head_problems`) and per sample from EXACT_PER_SAMPLE of them (head_logprob; head_top1 from the
+# fewest that can fail, `top1_limit`).
 EXACT_RUN_FLOOR = 8
 EXACT_PER_SAMPLE = 16
-Z_OUT_FLOOR = 64
-Z_PROMPT_FLOOR = 64
 HEAD_FLOPS_PER_BYTE = 10.0
-# A cap on the positions per sample (`--positions`, `hidden.verify_positions`) is 0 (every position) or at least
-# the floors: the z limits were measured at 64 positions; at 32 prompt positions the embedded store's worst clean sample
-# failed 741 of 20,000 draws (docs/04 "Head positions"), so a lower cap fails clean samples.
-MIN_POSITIONS = max(Z_OUT_FLOOR, Z_PROMPT_FLOOR)
 REDUCE_BYTES = 2 * 2**20  # float32 bytes converted and reduced at once (within this CPU's 4 MiB L2; docs/04 "Cost")
 MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EXACT_PER_SAMPLE), the run's pooled mean
 # Logit z limits (mean over the sample's z positions; docs/04 "Thresholds"): per-sample means on the nbval fixture
@@ -128,14 +124,6 @@ def unique_starts(ids: dict[Any, Sequence[int]]) -> dict[Any, int]:
         c = common(arrs[a], arrs[b])
         out[a], out[b] = max(out[a], c), max(out[b], c)
     return out
-
-
-def positions_problem(cap: int) -> str | None:
-    """Why `cap` cannot be the most head positions per sample, or None: 0 (every position) or at least MIN_POSITIONS."""
-    if cap == 0 or cap >= MIN_POSITIONS:
-        return None
-    return (f"must be 0 (every position) or at least {MIN_POSITIONS} (the floors the logit-z limits were measured "
-            f"at: fewer positions fail clean samples)")
 
 
 def head_counts(n_bytes: int, hidden: int, cap: int) -> tuple[int, int]:

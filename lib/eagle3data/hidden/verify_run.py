@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3data.core.params import RunParams
+from eagle3data.core.params.hidden import positions_problem
 from eagle3data.core.provenance import params_of_run
 from eagle3data.hidden.extract import Capture, layer_plan, load_config, load_extract_model
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store import HiddenReader, _torch_dtype
 from eagle3data.hidden.verify import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
-from eagle3data.hidden.verify_checks import VerifyError, positions_problem
+from eagle3data.hidden.verify_checks import VerifyError
 from eagle3data.hidden.verify_vllm import vllm_backend
 
 

@@ -6,13 +6,31 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from eagle3data.core.params.base import Strict
 from eagle3data.core.params.export import trainer_names
 from eagle3data.core.params.generate import VLLMParams
 from eagle3data.core.quant import StateCodec, storage_problem
 from eagle3data.trainers.registry import get_trainer
+
+
+# Head positions of 04's verification (docs/04 "Head positions"): per sample at least Z_OUT_FLOOR output and
+# Z_PROMPT_FLOOR prompt positions are scored by the logit z (`hidden/verify/checks.head_counts`). A cap on the
+# positions per sample (`--positions`, `hidden.verify_positions`) is 0 (every position) or at least the floors: the z
+# limits were measured at 64 positions; at 32 prompt positions the embedded store's worst clean sample failed 741 of
+# 20,000 draws, so a lower cap fails clean samples.
+Z_OUT_FLOOR = 64
+Z_PROMPT_FLOOR = 64
+MIN_POSITIONS = max(Z_OUT_FLOOR, Z_PROMPT_FLOOR)
+
+
+def positions_problem(cap: int) -> str | None:
+    """Why `cap` cannot be the most head positions per sample, or None: 0 (every position) or at least MIN_POSITIONS."""
+    if cap == 0 or cap >= MIN_POSITIONS:
+        return None
+    return (f"must be 0 (every position) or at least {MIN_POSITIONS} (the floors the logit-z limits were measured "
+            f"at: fewer positions fail clean samples)")
 
 
 class HiddenVLLMParams(VLLMParams):
@@ -120,6 +138,13 @@ class HiddenParams(Strict):
         if self.backend == "vllm" and self.vllm is None:
             raise ValueError("backend 'vllm' needs a `hidden.vllm` section (base_url, or launch: true)")
         return self
+
+    @field_validator("verify_positions")
+    @classmethod
+    def _positions_keep_the_floors(cls, v: int, info: ValidationInfo) -> int:
+        if info.data.get("verify_after", True) and (why := positions_problem(v)):  # unused when 04 verifies nothing
+            raise ValueError(why)
+        return v
 
     @field_validator("layout")
     @classmethod
