@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3data.core.params import load_params
+from eagle3data.generate.plan import _check_prompt_sets
 from eagle3data.preflight import ready_problems
 from eagle3data.prompts.load import check_source, load_prompts
 from eagle3data.prompts.files import PromptDataError
@@ -178,3 +179,54 @@ def test_a_dataset_folder_with_several_configs_and_no_subset_lists_them(tmp_path
     assert "one of math, code" in check_source(str(repo), "mixture_of_thoughts", subset="all")
     assert check_source(str(repo), "mixture_of_thoughts", subset="code") is None
     assert len(load_prompts(repo, format="mixture_of_thoughts", subset="code").prompts) == len(rows)
+
+
+def _openthoughts_repo(tmp_path: Path, names: tuple[str, str], suffix: str) -> tuple[Path, list[dict]]:
+    """A downloaded repository laid out as OpenThoughts-114k's: config `names[0]` holds the prompts
+    (data/), `names[1]` rows of another shape (metadata/), README configs without a `default:` flag."""
+    repo = tmp_path / f"OpenThoughts-{names[0]}-{suffix}"
+    rows = [json.loads(line) for line in (FIX / "openthoughts_114k.jsonl").open()]
+    meta = [{"problem": f"p{i}", "deepseek_reasoning": "r", "domain": "math"} for i in range(5)]
+    for folder, table in (("data", rows), ("metadata", meta)):
+        (repo / folder).mkdir(parents=True)
+        f = repo / folder / f"train-00000-of-00001.{suffix}"
+        if suffix == "parquet":
+            pq.write_table(pa.Table.from_pylist(table), f)
+        else:
+            f.write_text("".join(json.dumps(r) + "\n" for r in table))
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n"
+        f"- config_name: {names[0]}\n  data_files:\n  - split: train\n    path: data/train-*\n"
+        f"- config_name: {names[1]}\n  data_files:\n  - split: train\n    path: metadata/train-*\n"
+        "---\n# OpenThoughts-114k\n")
+    return repo, rows
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_a_dataset_folder_with_a_default_config_reads_it_and_says_so(tmp_path, suffix, capsys):
+    """Issue 43 item 3: `datasets.load_dataset` reads the config named `default` when none is named;
+    so does the loader (the `metadata` config's rows are not read as prompts), and the preview names it."""
+    repo, rows = _openthoughts_repo(tmp_path, ("default", "metadata"), suffix)
+    assert check_source(str(repo), "openthoughts") is None
+    ps = load_prompts(repo, format="openthoughts")
+    assert (ps.rows, len(ps.prompts), ps.config) == (len(rows), len(rows), "default"), ps.skipped
+    assert "config 'default' of default, metadata (its default config" in ps.summary()[0]
+    res = _prompts_cmd(repo, "openthoughts")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{repo} (format openthoughts, config 'default' of default, metadata (its default config, as `datasets` " \
+           f"reads it; set `subset` for another)): {len(rows)} rows -> {len(rows)} prompts" in res.stdout, res.stdout
+    params = _params(tmp_path, [{"name": "ot", "path": str(repo), "format": "openthoughts"}])
+    assert ready_problems(params, ["01_generate"]) == []
+    _check_prompt_sets(params, {"ot": ps})  # what 01 prints before it starts
+    assert capsys.readouterr().out == f"prompts ot: {ps.config_note}\n"
+    # another config by name is read instead (and these rows are not of the format: all rejected)
+    why = check_source(str(repo), "openthoughts", subset="metadata")
+    assert why.startswith(f"{repo / 'metadata' / f'train-00000-of-00001.{suffix}'}") and "reads `conversations`" in why
+    # without a config named (or flagged) default the refusal lists them, as before
+    other, _ = _openthoughts_repo(tmp_path, ("main", "metadata"), suffix)
+    want = (f"{other}: the dataset has 2 configs and no `subset` is set: set the dataset's `subset` param to one of "
+            "main, metadata")
+    assert check_source(str(other), "openthoughts") == want
+    res = _prompts_cmd(other, "openthoughts")
+    assert res.returncode == 2 and want in res.stdout + res.stderr, res.stdout + res.stderr
+    assert len(load_prompts(other, format="openthoughts", subset="main").prompts) == len(rows)

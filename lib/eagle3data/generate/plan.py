@@ -168,6 +168,8 @@ def _check_prompt_sets(params: RunParams, sets: dict[str, PromptSet]) -> None:
         ps = sets[d.name]
         if ps.rejected:
             print("\n".join(ps.summary()), flush=True)
+        elif ps.default_config and ps.config_note:  # a config the params do not name: say which was read
+            print(f"prompts {d.name}: {ps.config_note}", flush=True)
         first = f"; first: {ps.rejected[0]}" if ps.rejected else ""
         if not ps.prompts:
             stops.append(f"dataset {d.name}: no usable prompt in {ps.path} (format {ps.format}, {ps.rows} rows, "

@@ -12,7 +12,9 @@ as a whole, in one line that names the file, the encoding and the fix.
 are not UTF-8 is rejected alone; an array that ends before it is closed is "cut off"). With
 `sample=True` only the first `SAMPLE_ROWS` rows or `SAMPLE_BYTES` are read (the run's
 preflight). Parquet, arrow, dataset folders and `hf:` names go through the HF `datasets`
-library; a dataset with several configs and no `subset` is named with the configs it has.
+library; a dataset folder whose README names several configs is read with `subset`, else with its
+default config as `datasets` picks it (flagged `default: true`, or named `default`); with none of
+them it is refused, naming the configs it has.
 """
 
 from __future__ import annotations
@@ -344,21 +346,50 @@ def _iter_text(p: Path, sample: bool = False) -> Iterator[Row]:
 # ---------------------------------------------------------------- datasets library
 
 
-def readme_configs(folder: Path) -> tuple[list[str], str | None]:
-    """Config names in a downloaded dataset repository's README front-matter (`configs:`), and the default."""
+def _readme_meta_configs(folder: Path) -> list[dict[str, Any]]:
     f = folder / "README.md"
     if not f.is_file():
-        return [], None
+        return []
     m = re.match(r"\A---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|\Z)", f.read_text("utf-8", errors="replace"), re.S)
     try:
         meta = yaml.safe_load(m.group(1)) if m else None
     except yaml.YAMLError:
-        return [], None
+        return []
     configs = meta.get("configs") if isinstance(meta, dict) else None
-    names = [c["config_name"] for c in configs or [] if isinstance(c, dict) and isinstance(c.get("config_name"), str)]
-    default = next((c["config_name"] for c in configs or [] if isinstance(c, dict) and c.get("default")
-                    and c.get("config_name") in names), None)
-    return names, default
+    return [c for c in configs or [] if isinstance(c, dict) and isinstance(c.get("config_name"), str)] \
+        if isinstance(configs, list) else []
+
+
+def readme_configs(folder: Path) -> tuple[list[str], str | None]:
+    """Config names in a downloaded dataset repository's README front-matter (`configs:`), and the default.
+
+    The default is the `datasets` library's (`MetadataConfigs.get_default_config_name`): the config
+    flagged `default: true`, the one named `default`, or the only one; None where no config or
+    more than one qualifies (`datasets` then needs a name too)."""
+    configs = _readme_meta_configs(folder)
+    names = [c["config_name"] for c in configs]
+    cands = [c["config_name"] for c in configs if len(configs) == 1 or c["config_name"] == "default" or c.get("default")]
+    return names, cands[0] if len(cands) == 1 else None
+
+
+def config_files(folder: Path, name: str) -> list[Path]:
+    """The files a README config names in its `data_files` (globs from the folder), else every data file."""
+    conf = next((c for c in _readme_meta_configs(folder) if c["config_name"] == name), {})
+    spec = conf.get("data_files")
+    entries = spec if isinstance(spec, list) else [spec] if spec else []
+    pats = [x for e in entries for x in ((e.get("path"),) if isinstance(e, dict) else (e,))]
+    pats = [x for p in pats for x in (p if isinstance(p, list) else [p]) if isinstance(x, str)]
+    files = sorted({f for pat in pats for f in folder.glob(pat) if f.is_file()})
+    return files or data_files(folder)
+
+
+def config_read(folder: Path, subset: str | None) -> str | None:
+    """The config a dataset folder is read with: `subset`, else its README's default where the README
+    names configs (what `datasets.load_dataset` reads with no name), else None (no configs)."""
+    if subset is not None:
+        return subset
+    names, default = readme_configs(folder)
+    return default if names else None
 
 
 def _configs_problem(label: str, names: list[str], subset: str | None) -> str:
@@ -368,7 +399,8 @@ def _configs_problem(label: str, names: list[str], subset: str | None) -> str:
 
 
 def config_problem(folder: Path, subset: str | None) -> str | None:
-    """A dataset folder with several configs and no `subset` (or a `subset` it does not have), from its README."""
+    """A dataset folder with several configs, none of them its default (flagged, or named `default`),
+    and no `subset`; or a `subset` it does not have. From its README."""
     names, default = readme_configs(folder)
     if subset is None and len(names) > 1 and default is None or subset is not None and names and subset not in names:
         return _configs_problem(str(folder), names, subset)
@@ -434,9 +466,11 @@ def _file_kind(p: Path) -> str:
 
 
 def text_shards(p: Path, split: str | None, subset: str | None) -> list[Path] | None:
-    """The files of a folder read here, file by file (only JSON text, no split or subset), else None."""
+    """The files of a folder read here, file by file (only JSON text, no split or subset, no README configs:
+    a config names its own files), else None."""
     files = data_files(p)
-    if split is None and subset is None and files and all(f.suffix.lower() in TEXT_SUFFIXES for f in files):
+    if split is None and subset is None and files and all(f.suffix.lower() in TEXT_SUFFIXES for f in files) \
+            and not readme_configs(p)[0]:
         return files
     return None
 
@@ -455,7 +489,7 @@ def iter_rows(path: str, *, split: str | None = None, subset: str | None = None)
             for f in shards:
                 yield from _iter_text(f)
         else:
-            yield from _iter_hf(str(p), str(p), split=split, subset=subset)
+            yield from _iter_hf(str(p), str(p), split=split, subset=config_read(p, subset))
         return
     kind = _file_kind(p)
     if kind in ("parquet", "arrow"):

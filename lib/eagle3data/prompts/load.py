@@ -41,8 +41,8 @@ from eagle3data.core.atomic import atomic_path
 from eagle3data.core.params import ParamsError
 from eagle3data.core.profiles import Profile
 from eagle3data.prompts.files import (BUILTIN_PREFIX, COLUMNAR_SUFFIXES, HUB_PREFIX, TEXT_SUFFIXES, PromptDataError, Row,
-                          builtin_datasets, config_problem, data_files, iter_rows, resolve_prompt_path, sample_rows,
-                          sniff_file, text_file_problem, text_shards)
+                          builtin_datasets, config_files, config_problem, config_read, data_files, iter_rows,
+                          readme_configs, resolve_prompt_path, sample_rows, sniff_file, text_file_problem, text_shards)
 
 __all__ = ["Prompt", "PromptSet", "Rejection", "PromptDataError", "load_prompts", "load_datasets",
            "check_source", "ROLES", "BUILTIN_PREFIX", "HUB_PREFIX", "TEXT_SUFFIXES", "COLUMNAR_SUFFIXES",
@@ -105,6 +105,18 @@ class PromptSet:
     rejected: list[Rejection] = field(default_factory=list)
     format: str = "prompts"
     rows: int = 0
+    config: str | None = None  # the config of a dataset folder whose README names configs (`subset`, else its default)
+    configs: list[str] = field(default_factory=list)  # every config that README names
+    default_config: bool = False  # `config` is the folder's default, read because `subset` is unset
+
+    @property
+    def config_note(self) -> str:
+        """Which config was read, where the folder has several: named, and whether it was the default."""
+        if len(self.configs) < 2 or self.config is None:
+            return ""
+        how = "its default config, as `datasets` reads it; set `subset` for another" if self.default_config \
+            else "set by `subset`"
+        return f"config {self.config!r} of {', '.join(self.configs)} ({how})"
 
     @property
     def skipped(self) -> list[str]:
@@ -138,7 +150,7 @@ class PromptSet:
         dup = f", {self.duplicates} exact duplicate{'s' * (self.duplicates != 1)} dropped" if self.duplicates else ""
         lines = [f"prompts {self.dataset}: {self.malformed} of {self.rows} rows rejected "
                  f"({self.rejected_share:.0%}){dup}; {len(self.prompts)} prompts from {self.path} "
-                 f"(format {self.format})"]
+                 f"(format {self.format}" + (f", {self.config_note}" if self.config_note else "") + ")"]
         for kind, n, where in self.reason_counts()[:examples]:
             lines.append(f"  {n:>6} x {kind}   (first: {where})")
         for r in self.rejected[:examples]:
@@ -190,6 +202,10 @@ def load_prompts(path: str | Path, dataset: str | None = None, format: str = "pr
     p = Path(src) if src.startswith(HUB_PREFIX) else resolve_prompt_path(src)
     name = dataset or (p.stem if not src.startswith(HUB_PREFIX) else src.split("/")[-1])
     out = PromptSet(dataset=name, path=p, format=fmt.name)
+    if not src.startswith(HUB_PREFIX) and p.is_dir():
+        out.configs = readme_configs(p)[0]
+        out.config = config_read(p, subset) if out.configs else None
+        out.default_config = subset is None and out.config is not None
     seen_ids: dict[str, tuple[str, str]] = {}  # sample_id -> (content id, short location)
     seen_content: dict[str, tuple[Any, str]] = {}  # content id -> (sample_id, short location)
     for where, short, row in iter_rows(src, split=split, subset=subset):
@@ -307,7 +323,7 @@ def check_source(path: str, format: str = "prompts", *, split: str | None = None
     `promptfiles.SAMPLE_ROWS` rows, about 1 MiB a file; a `.json` array's last bytes too), or
     a parquet schema: a file in another encoding, a `.json` array cut off, rows that are all of
     another format and (`all_bad`) rows none of which makes a prompt are named before any
-    work; a dataset folder with several configs and no `subset` lists its configs. `hf:`
+    work; a dataset folder with several configs, none its default, and no `subset` lists its configs. `hf:`
     names are not checked here (they need the hub).
     """
     fmt = get_format(format)
@@ -328,7 +344,8 @@ def check_source(path: str, format: str = "prompts", *, split: str | None = None
         shards = text_shards(p, split, subset)
         if shards:
             return _rows_problem(p, fmt, *sample_rows(shards), all_bad)
-        return config_problem(p, subset) or _file_problem(files[0], fmt, all_bad)
+        config = config_read(p, subset)
+        return config_problem(p, subset) or _file_problem((config_files(p, config) if config else files)[0], fmt, all_bad)
     except PromptDataError as e:
         return str(e)
 
@@ -431,7 +448,8 @@ def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str
     turns = Counter(len(p.conversation or p.messages) for p in ps.prompts)
     replies = sum("reference_reply" in p.meta for p in ps.prompts)
     with_tools = sum(bool(p.tools) for p in ps.prompts)
-    print(f"{ps.path} (format {ps.format}): {ps.rows} rows -> {len(ps.prompts)} prompts; "
+    print(f"{ps.path} (format {ps.format}" + (f", {ps.config_note}" if ps.config_note else "")
+          + f"): {ps.rows} rows -> {len(ps.prompts)} prompts; "
           f"{ps.malformed} rejected ({ps.rejected_share:.1%}), {ps.duplicates} exact duplicates dropped")
     print(f"  prompts with tools: {with_tools}; trailing assistant reply cut off (kept as meta.reference_reply): "
           f"{replies}; turns per row: {dict(sorted(turns.items())[:12])}")
