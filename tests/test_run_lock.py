@@ -179,13 +179,14 @@ def test_status_reads_the_record_of_a_held_folder(tmp_path):
 
 
 def _modes(root: Path) -> dict[str, int]:
-    return {str(f.relative_to(root)): stat.S_IMODE(f.stat().st_mode) for f in root.rglob("*")
-            if f.is_file() and not f.is_symlink()}
+    """Each file's mode; a link by the file it points at (SpecForge's `target/` links into the model cache)."""
+    return {str(f.relative_to(root)): stat.S_IMODE(f.stat().st_mode) for f in root.rglob("*") if f.is_file()}
 
 
 def test_shards_trainer_files_and_exports_follow_the_umask(ci_run, tmp_path):
     """Under umask 022, 04's shards and index, 05's per-sample trainer files (`hs_<i>.safetensors`, `.ckpt`),
-    token files and draft vocabulary are all 0644 (safetensors alone writes 0600)."""
+    token files and draft vocabulary, and the model files `export/specforge/target/` links to, are all 0644
+    (safetensors alone writes 0600)."""
     shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
     env = _env()
     over = ["-p", "output_root", str(tmp_path), "-p", "hidden.probe_batches", "0"]
@@ -198,12 +199,31 @@ def test_shards_trainer_files_and_exports_follow_the_umask(ci_run, tmp_path):
                              capture_output=True, text=True, umask=0o022)
         assert res.returncode == 0, (fmt, res.stdout, res.stderr)
     modes = _modes(tmp_path / "ci")
+    assert any(k.startswith("export/specforge/target/") and (tmp_path / "ci" / k).is_symlink() for k in modes), sorted(modes)
     shards = [k for k in modes if k.endswith(".safetensors") and k.startswith("hidden")]
     hs = [k for k in modes if "/hs_" in k and k.endswith(".safetensors")]
     ckpt = [k for k in modes if k.endswith(".ckpt")]
     assert shards and hs and ckpt and any("draft_vocab" in k for k in modes), sorted(modes)
     wrong = {k: oct(m) for k, m in modes.items() if m != 0o644}
     assert not wrong, wrong
+
+
+def test_the_model_cache_follows_the_umask(tmp_path):
+    """Issue 43 item 5: `prepare-model` writes the converted model 0644 under umask 022 (save_pretrained's
+    safetensors alone makes the weights 0600, and an export's `target/` links to them); a cache written
+    0600 before this rule is mended the next time it is used."""
+    env = _env(EAGLE3DATA_CACHE=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-m", "eagle3data", "prepare-model"], cwd=REPO, env=env,
+                         capture_output=True, text=True, umask=0o022)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    folder = Path(res.stdout.strip().splitlines()[-1])
+    modes = _modes(tmp_path / "cache")
+    assert "models/smollm2-135m-instruct/model.safetensors" in modes and folder.is_dir(), sorted(modes)
+    assert not {k: oct(m) for k, m in modes.items() if m != 0o644}
+    (folder / "model.safetensors").chmod(0o600)
+    res = subprocess.run([sys.executable, "-m", "eagle3data", "prepare-model"], cwd=REPO, env=env,
+                         capture_output=True, text=True, umask=0o022)
+    assert res.returncode == 0 and stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644, res.stderr
 
 
 def test_atomic_write_gives_the_umask_mode(tmp_path):

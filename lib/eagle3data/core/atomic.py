@@ -5,7 +5,9 @@ plain bytes), then fsyncs it if asked, gives it the mode a plain `open()` would 
 umask: 0644 under 022) and renames it over `path`; on an error the temp file is removed. The
 mode matters because some writers create their file 0600 whatever the umask (safetensors
 0.8's `save_file` writes through a private temp file), and a trainer run as another user or
-in a container with another uid could not read it. `write_atomic(path, data)` is the bytes case.
+in a container with another uid could not read it. `write_atomic(path, data)` is the bytes case;
+`follow_umask(folder)` mends a folder another library wrote (transformers' `save_pretrained`
+writes its weights 0600 through safetensors) before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -53,3 +55,16 @@ def write_atomic(path: Path | str, data: bytes, *, tmp_suffix: str = ".tmp", fsy
     with atomic_path(path, tmp_suffix=tmp_suffix, fsync=fsync) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def follow_umask(folder: Path | str) -> None:
+    """Give every file under `folder` the bits the umask allows that it lacks (0600 -> 0644 under 022).
+
+    For a folder another library wrote (the model cache: `save_pretrained`), and for one written before
+    this rule; a file this process may not change (another user's cache) is left as it is."""
+    want = umask_mode()
+    for f in Path(folder).rglob("*"):
+        with contextlib.suppress(OSError):
+            st = f.lstat()
+            if f.is_file() and not f.is_symlink() and st.st_mode & want != want:
+                os.chmod(f, (st.st_mode & 0o7777) | want)

@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any
+from eagle3data.core.atomic import follow_umask
 from eagle3data.core.params import repo_root
 from eagle3data.core.profiles import get_profile
 
@@ -54,6 +55,7 @@ def prepare_embedded(name: str = "smollm2", *, force: bool = False) -> Path:
     pkg, gguf_file, folder = EMBEDDED_MODELS[name]
     out = cache_dir() / "models" / folder
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists() and not force:
+        follow_umask(out)  # a cache written before the rule (its weights 0600): readable as the umask allows
         return out
     spec = importlib.util.find_spec(pkg)
     if spec is None or spec.origin is None:
@@ -84,6 +86,7 @@ def prepare_embedded(name: str = "smollm2", *, force: bool = False) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
+    follow_umask(tmp)  # safetensors writes the weights 0600: another user's trainer reads them through export's links
     if out.exists():
         import shutil
 
