@@ -188,7 +188,7 @@ def main() -> int:
     peak = {v: min(r["peak_rss_added_mb"] for r in rs) for v, rs in runs.items()}
     import torch
 
-    from eagle3data.hidden.store import bytes_per_token
+    from eagle3data.hidden.store.format import bytes_per_token
 
     hidden_size = 576
     disk = disk_figures(scratch / "ours" / "hidden")

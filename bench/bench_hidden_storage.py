@@ -63,7 +63,8 @@ def main() -> int:
 
     from eagle3data.core.models import model_for
     from eagle3data.core.params import load_params
-    from eagle3data.hidden.extract import Capture, decoder_of, layer_plan, plan_extract
+    from eagle3data.hidden.capture import Capture, decoder_of, layer_plan
+    from eagle3data.hidden.extract import plan_extract
     from eagle3data.core.quant import channel_stats, dequantize, flushed_share, quantize
 
     t_start = time.perf_counter()

@@ -63,8 +63,8 @@ def main() -> int:
     args = ap.parse_args()
     from eagle3data.core.models import model_for
     from eagle3data.generate.backends.vllm_server import VLLMServer
-    from eagle3data.hidden.extract import layer_plan, load_config
-    from eagle3data.hidden.vllm_capture import hidden_command
+    from eagle3data.hidden.capture import layer_plan, load_config
+    from eagle3data.hidden.engines.vllm_capture import hidden_command
 
     run_root, records = ensure_records()
     scratch = OUT / "hidden_vllm_scratch"

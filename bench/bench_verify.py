@@ -147,7 +147,7 @@ def reduction_floor(hdir: Path, rounds: int = 5) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from eagle3data.hidden.verify_checks import REDUCE_BYTES
+    from eagle3data.hidden.verify.checks import REDUCE_BYTES
 
     shards = [t["hidden_states"] for t in (load_file(str(f)) for f in sorted((hdir / "shards").glob("*.safetensors")))]
 
@@ -182,8 +182,8 @@ def reduction_floor(hdir: Path, rounds: int = 5) -> dict:
 def measure(p, cfg, scratch: Path, rounds: int = 5) -> dict:
     """verify_store without recompute against plain reading of the same store, rounds alternating, best of each."""
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.store import HiddenReader
-    from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
+    from eagle3data.hidden.store.reader import HiddenReader
+    from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, verify_store
 
     hdir = hidden_dir(p)
     tokens = plain_read(hdir)  # warm the page cache for both sides
@@ -234,7 +234,7 @@ def timed_rounds(stores: list, scratch: Path, rounds: int, cold: bool = False) -
     the stores alternating within every round so that a slower spell of the shared CPU falls on all of them; `cold`:
     the store's files evicted from the page cache before each read and each verification (`evict`)."""
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
+    from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, verify_store
 
     got = [{"plain_read_s": [], "verify_s": []} for _ in stores]
     for _ in range(rounds):
@@ -269,7 +269,7 @@ def interleaved(stores: list, scratch: Path, rounds: int = 9) -> list[dict]:
     """Plain read and verify of each store (`timed_rounds`, the page cache and the head's moments warmed first): per
     store its bytes, samples, best times and rounds."""
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.store import HiddenReader
+    from eagle3data.hidden.store.reader import HiddenReader
 
     timed_rounds(stores, scratch, 1)  # warm
     out = []
@@ -306,7 +306,7 @@ def per_byte(small: dict, large: dict) -> dict:
 
 
 def plain_read(hdir: Path) -> int:
-    from eagle3data.hidden.store import HiddenReader
+    from eagle3data.hidden.store.reader import HiddenReader
 
     n = 0
     for smp in HiddenReader(hdir):
@@ -376,13 +376,14 @@ def moments_cost(hidden: int = 7168, vocab: int = 163840, vocab_part: int = 1638
 def main() -> int:
     import torch
 
-    from eagle3data.hidden.extract import load_config
+    from eagle3data.hidden.capture import load_config
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.store import HiddenReader, stored_bytes_per_token
-    from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
+    from eagle3data.hidden.store.format import stored_bytes_per_token
+    from eagle3data.hidden.store.reader import HiddenReader
+    from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, verify_store
     from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
-    from eagle3data.hidden.verify_checks import EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE
-    from eagle3data.hidden.verify_run import BACKENDS
+    from eagle3data.hidden.verify.checks import EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE
+    from eagle3data.hidden.verify.command import BACKENDS
 
     load_start = os.getloadavg()
     p, where = store_params()
@@ -470,11 +471,11 @@ def power(p, cfg, draws: int = 20000) -> dict:
 
     from eagle3data.core.models import resolve_model_path
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.store import HiddenReader
+    from eagle3data.hidden.store.reader import HiddenReader
     from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
-    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, MIN_OUT_Z, MIN_PROMPT_Z, TOP1_ALPHA, TOP1_CLEAN_MISS,
+    from eagle3data.hidden.verify.checks import (EXACT_RUN_FLOOR, MIN_OUT_Z, MIN_PROMPT_Z, TOP1_ALPHA, TOP1_CLEAN_MISS,
                                                  binom_tail, top1_limit, unique_starts)
-    from eagle3data.hidden.verify_head import load_head
+    from eagle3data.hidden.verify.head import load_head
 
     head = load_head(resolve_model_path(p.model.path), cfg)
     rd = HiddenReader(hidden_dir(p))

@@ -34,7 +34,7 @@ def _disk(folder: Path, seen: set[tuple[int, int]]) -> int:
 def main(run: str) -> dict:
     import torch
 
-    from eagle3data.hidden.store import HiddenReader
+    from eagle3data.hidden.store.reader import HiddenReader
     from eagle3data.hidden.mix import read_mix
 
     run_dir = Path(run)

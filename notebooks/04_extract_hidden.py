@@ -29,7 +29,7 @@
 
 # %%
 from eagle3data.hidden.extract import plan_extract, run_extract
-from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.core.params import load_params, params_for_display
 
 # %% tags=["parameters"]

@@ -19,7 +19,7 @@ from eagle3data.audit.run import run_audit
 from eagle3data.export.run import run_export
 from eagle3data.generate.run import run_generate
 from eagle3data.hidden.extract import run_extract
-from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.mix import read_mix
 from eagle3data.core.profiles import QWEN3
 from eagle3data.prompts.load import Prompt, template_prompt

@@ -294,7 +294,7 @@ def test_extract_runs_04_headless_and_merges_the_index(ci_run, tmp_path):
     merged and valid; `--merge-only` merges it again from the shards."""
     from eagle3data.core.params import load_params
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.store import INDEX_FILE
+    from eagle3data.hidden.store.format import INDEX_FILE
 
     shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
     over = ["-p", "output_root", str(tmp_path), "-p", "hidden.probe_batches", "0"]

@@ -36,7 +36,7 @@ import specforge.data.preprocessing as specforge_pre
 
 from eagle3data.export import handoff as HO
 from eagle3data.hidden.extract import run_extract
-from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.mix import read_mix
 from eagle3data.core.params import load_params
 from eagle3data.trainers import specforge as SF
@@ -223,7 +223,7 @@ def test_the_matching_layout_is_hardlinked_not_copied(stores):
 
 def test_the_estimate_states_each_hand_off_before_04_runs(ci_run, tmp_path):
     from eagle3data.hidden import extract as H
-    from eagle3data.hidden.store import bytes_per_token, id_mask_bytes
+    from eagle3data.hidden.store.format import bytes_per_token, id_mask_bytes
 
     shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
     assert id_mask_bytes("shards") == 4 + 1 and {f: t.id_mask_bytes for f, t in TRAINERS.items()} == {
@@ -280,7 +280,7 @@ def test_a_mix_sample_missing_from_the_store_stops_the_hand_off(stores, tmp_path
 
 
 def test_04_records_its_final_state_and_refuses_a_store_of_another_kind(stores, ci_run, model, tmp_path, monkeypatch):
-    from eagle3data.hidden.store import AUX_NAMES, HiddenError
+    from eagle3data.hidden.store.format import AUX_NAMES, HiddenError
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -17,9 +17,12 @@ import torch
 
 from eagle3data.hidden import estimate as E
 from eagle3data.hidden import extract as H
-from eagle3data.hidden.extract import plan_batches, run_extract
+from eagle3data.hidden.capture import layer_plan, plan_batches
+from eagle3data.hidden.extract import run_extract
 from eagle3data.hidden.mix import hidden_dir, read_mix, source_sequences
-from eagle3data.hidden.store import HiddenError, HiddenReader, read_shard_meta, shard_dir, validate_store
+from eagle3data.hidden.store.format import HiddenError, read_shard_meta, shard_dir
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.store.validation import validate_store
 from eagle3data.core.params import load_params
 from eagle3data.core.quant import StateCodec
 
@@ -78,7 +81,7 @@ def _reference(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_layers_follow_the_profile_rule_on_the_real_model(ci_run, model):
-    plan = H.layer_plan(ci_run, model.config)
+    plan = layer_plan(ci_run, model.config)
     assert plan.num_layers == 30
     assert plan.hf_indices == (2, 15, 27) and plan.layer_outputs == (1, 14, 26)
 

@@ -17,7 +17,7 @@ import torch
 from eagle3data.core.params import ParamsError, load_params
 from eagle3data.core.quant import FORMATS, SCALES, StateCodec, Storage, channel_stats, flushed_share
 from eagle3data.hidden.extract import run_extract
-from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.store.reader import HiddenReader
 
 REPO = Path(__file__).resolve().parents[1]
 ALL = [Storage("bf16")] + [Storage(f, s) for f in FORMATS if f != "bf16" for s in SCALES]

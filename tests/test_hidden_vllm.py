@@ -27,13 +27,15 @@ import torch
 from eagle3data.core.params import ParamsError, load_params
 from eagle3data.generate.backends.vllm_server import (EngineCommand, ServerError, VLLMServer, free_port, model_dir,
                                                        server_command)
-from eagle3data.hidden.extract import layer_plan, load_config, run_extract
+from eagle3data.hidden.capture import layer_plan, load_config
+from eagle3data.hidden.extract import run_extract
 from eagle3data.hidden.mix import hidden_dir, read_mix
-from eagle3data.hidden.store import HiddenReader, read_shard_meta, shard_dir
-from eagle3data.hidden.store import HiddenError
-from eagle3data.hidden.verify_run import verify_cli
+from eagle3data.hidden.store.format import read_shard_meta, shard_dir
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.store.format import HiddenError
+from eagle3data.hidden.verify.command import verify_cli
 from eagle3data.hidden.norms import rms_norm
-from eagle3data.hidden.vllm_capture import final_norm, hidden_command, norm_kind
+from eagle3data.hidden.engines.vllm_capture import final_norm, hidden_command, norm_kind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402

@@ -18,7 +18,7 @@ import pytest
 from eagle3data.audit.run import run_audit
 from eagle3data.export.run import run_export
 from eagle3data.hidden.extract import run_extract
-from eagle3data.hidden.store import HiddenReader
+from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.mix import DROP_REASONS, read_mix
 from eagle3data.core.params import load_params
 from eagle3data.core.profiles import SMOLLM2

@@ -71,7 +71,8 @@ def _figures(nb_path: Path) -> dict:
 
 
 def test_notebook_04_drops_too_long_samples_before_the_model_and_05_succeeds(run_04_05):
-    from eagle3data.hidden.store import HiddenReader, scan_shards
+    from eagle3data.hidden.store.index import scan_shards
+    from eagle3data.hidden.store.reader import HiddenReader
     from eagle3data.hidden.mix import read_mix
 
     run_dir, lengths, limit, proc = run_04_05
@@ -135,7 +136,7 @@ def limited(ci_run, tmp_path, monkeypatch):
 
 def test_the_plan_is_what_runs_and_the_mix_is_written_once(limited):
     from eagle3data.hidden.extract import plan_extract, run_extract
-    from eagle3data.hidden.store import HiddenError
+    from eagle3data.hidden.store.format import HiddenError
     from eagle3data.hidden.mix import hidden_dir
 
     make, calls, limit = limited

@@ -20,12 +20,13 @@ import torch
 from eagle3data.cli import main as cli_main
 from eagle3data.core.params import load_params
 from eagle3data.export.run import ExportError, export_format
-from eagle3data.hidden.extract import load_config, run_extract
+from eagle3data.hidden.capture import load_config
+from eagle3data.hidden.extract import run_extract
 from eagle3data.hidden.mix import hidden_dir
-from eagle3data.hidden.store import HiddenReader
-from eagle3data.hidden.verify_head import load_head
-from eagle3data.hidden.verify_run import BACKENDS, parse_recompute
-from eagle3data.hidden.verify import DEFAULT_POSITIONS, verify_store
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.verify.head import load_head
+from eagle3data.hidden.verify.command import BACKENDS, parse_recompute
+from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, verify_store
 from eagle3data.core.models import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -390,7 +391,7 @@ def test_verification_uses_only_the_head_tensors_of_the_checkpoint(clean):
 
 def stat_figures(hs, names):
     """`chunk_figures` of one sample (the states of one sample alone)."""
-    from eagle3data.hidden.verify_checks import chunk_figures
+    from eagle3data.hidden.verify.checks import chunk_figures
 
     return chunk_figures(hs, names, [(0, len(hs))])[0]
 
@@ -422,7 +423,7 @@ def test_the_fused_figures_equal_the_element_wise_ones():
 def test_many_samples_reduced_at_once_give_each_its_own_figures():
     """chunk_figures over consecutive samples (as verify reduces a chunk of the store) gives every sample exactly
     the figures it has alone, so a defect planted in one sample shows in that sample and no other."""
-    from eagle3data.hidden.verify_checks import chunk_figures
+    from eagle3data.hidden.verify.checks import chunk_figures
 
     g = torch.Generator().manual_seed(1)
     names = ("aux_low", "aux_mid", "aux_high", "pre_norm", "post_norm")
@@ -462,8 +463,8 @@ def test_the_reader_streams_whole_samples_in_runs_of_bounded_size(clean):
 
 def test_head_positions_have_floors_a_budget_and_a_cap():
     from eagle3data.core.params.hidden import Z_OUT_FLOOR, Z_PROMPT_FLOOR
-    from eagle3data.hidden.verify_checks import (EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, binom_tail, exact_plan, head_counts,
-                                                 top1_limit, TOP1_ALPHA, TOP1_CLEAN_MISS)
+    from eagle3data.hidden.verify.checks import (EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE, binom_tail, exact_plan,
+                                                 head_counts, top1_limit, TOP1_ALPHA, TOP1_CLEAN_MISS)
 
     hidden, vocab, tok = 576, 49152, 5760
     assert head_counts(100 * tok, hidden, 64) == (Z_OUT_FLOOR, Z_PROMPT_FLOOR)  # short: the floors
@@ -492,7 +493,7 @@ def test_the_pooled_top1_limit_holds_at_a_13tb_stores_count_of_positions():
     import math
     from fractions import Fraction
 
-    from eagle3data.hidden.verify_checks import TOP1_ALPHA, TOP1_CLEAN_MISS, binom_tail, top1_limit
+    from eagle3data.hidden.verify.checks import TOP1_ALPHA, TOP1_CLEAN_MISS, binom_tail, top1_limit
 
     def exact(k, q, m):
         q = Fraction(q)
@@ -510,7 +511,7 @@ def test_sampled_records_are_judged_by_their_own_floors():
     """A sampled record's next token is the sampler's choice: its z floor is the lower one measured on a temperature-1
     run (none above that temperature: the run's spread alone), and its log-prob is judged only against the run (the
     pooled check takes greedy records alone)."""
-    from eagle3data.hidden.verify_checks import MIN_OUT_Z, MIN_SAMPLED_OUT_Z, judge, run_head_problems
+    from eagle3data.hidden.verify.checks import MIN_OUT_Z, MIN_SAMPLED_OUT_Z, judge, run_head_problems
 
     base = {"nonfinite": 0, "flat_rows": 0, "duplicate_layers": [], "out_exact_positions": 16, "out_misses": 0,
             "out_logprob_median": -6.0, "out_logprob_mean": -6.5, "out_z_mean": (MIN_OUT_Z + MIN_SAMPLED_OUT_Z) / 2}
@@ -527,7 +528,7 @@ def test_sampled_records_are_judged_by_their_own_floors():
     rows = [{"greedy": False, "out_exact_positions": 1, "out_misses": 1, "out_logprob_mean": -7.0}] * 8
     assert run_head_problems(rows) == []
     assert {p["check"] for p in run_head_problems([r | {"greedy": True} for r in rows])} == {"head_top1", "head_logprob"}
-    from eagle3data.hidden.verify import _head_use  # the summary's pooled figures are the greedy records' too
+    from eagle3data.hidden.verify.run import _head_use  # the summary's pooled figures are the greedy records' too
 
     mixed = [r | {"log_rms": {}} for r in rows] + [{"greedy": True, "log_rms": {}, "out_exact_positions": 3,
                                                       "out_misses": 0, "out_logprob_mean": -0.5}]
@@ -539,7 +540,7 @@ def test_sampled_records_are_judged_by_their_own_floors():
 def test_prompt_positions_start_after_the_prefix_another_sample_shares():
     """A system prompt, a template or the earlier turns shared with another sample give the same states in both:
     the prompt check draws after the longest prefix any other sample shares (a whole-prefix turn: none)."""
-    from eagle3data.hidden.verify_checks import unique_starts
+    from eagle3data.hidden.verify.checks import unique_starts
 
     sys_prompt = [1, 2, 3, 4]
     got = unique_starts({"a": sys_prompt + [9, 9, 9], "b": sys_prompt + [7, 7], "c": [5, 6, 7],
@@ -550,7 +551,7 @@ def test_prompt_positions_start_after_the_prefix_another_sample_shares():
 def test_the_heads_top1_and_logprob_are_argmax_and_log_softmax():
     """The exact head's reductions, blocked while in cache (`_argmax_logsumexp`), equal torch's argmax and
     log_softmax on every row, at a row count that is no multiple of the block."""
-    from eagle3data.hidden.verify_head import LSE_ROWS, _argmax_logsumexp
+    from eagle3data.hidden.verify.head import LSE_ROWS, _argmax_logsumexp
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2 * LSE_ROWS + 5, 4099, generator=g) * 4
@@ -616,7 +617,7 @@ def test_the_head_applies_the_models_own_final_norm_kind(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from eagle3data.hidden.verify_head import load_head
+    from eagle3data.hidden.verify.head import load_head
 
     w = torch.linspace(-0.5, 0.5, 8)
     save_file({"model.norm.weight": w, "lm_head.weight": torch.randn(16, 8)}, str(tmp_path / "model.safetensors"))
@@ -631,14 +632,14 @@ def test_a_multimodal_targets_head_takes_its_norm_from_the_text_config(tmp_path)
     """Kimi-K2.5 is multimodal: its config keeps `rms_norm_eps` in `text_config`, its tensors sit under
     `language_model.` beside a vision tower's own norms. The head must take the text model's eps (not a 1e-6
     default) and the final norm of the text's hidden size (not the vision tower's), as the vLLM backend's post-norm
-    state does (`vllm_capture.final_norm`: the same reader)."""
+    state does (`engines.vllm_capture.final_norm`: the same reader)."""
     import torch
     import transformers
     from safetensors.torch import save_file
 
-    from eagle3data.hidden.verify_head import load_head
+    from eagle3data.hidden.verify.head import load_head
     from eagle3data.hidden.norms import read_final_norm
-    from eagle3data.hidden.vllm_capture import norm_kind
+    from eagle3data.hidden.engines.vllm_capture import norm_kind
 
     h, v = 8, 16
     w = torch.linspace(0.5, 1.5, h)

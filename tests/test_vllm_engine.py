@@ -32,11 +32,13 @@ from eagle3data.core.params import load_params
 from eagle3data.core.records import scan_journal
 from eagle3data.generate.backends.vllm_server import VLLMServer, engine_python
 from eagle3data.generate.run import run_generate
-from eagle3data.hidden.extract import layer_plan, load_config, run_extract
+from eagle3data.hidden.capture import layer_plan, load_config
+from eagle3data.hidden.extract import run_extract
 from eagle3data.hidden.mix import hidden_dir
-from eagle3data.hidden.store import HiddenReader, read_shard_meta, shard_dir
-from eagle3data.hidden.verify_run import verify_cli
-from eagle3data.hidden.vllm_capture import hidden_command
+from eagle3data.hidden.store.format import read_shard_meta, shard_dir
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.verify.command import verify_cli
+from eagle3data.hidden.engines.vllm_capture import hidden_command
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / "params" / "ci.yaml"

@@ -272,7 +272,8 @@ def _extract(args: argparse.Namespace, params: Any) -> int:
     # the stage (torch, the model) only for this command
     from eagle3data.hidden.extract import dist_env, merge_index, run_extract
     from eagle3data.hidden.mix import hidden_dir
-    from eagle3data.hidden.store import HiddenReader, validate_store
+    from eagle3data.hidden.store.reader import HiddenReader
+    from eagle3data.hidden.store.validation import validate_store
 
     if args.merge_only:
         df = merge_index(params)
@@ -307,8 +308,8 @@ def print_engine_command(params: Any, stage: str) -> int:
             raise UserError("--print-engine-command: generate.backend is not vllm")
         print(server_command(params, params.generate.vllm, stage="generate").shell())
         return 0
-    from eagle3data.hidden.extract import layer_plan, load_config
-    from eagle3data.hidden.vllm_capture import hidden_command
+    from eagle3data.hidden.capture import layer_plan, load_config
+    from eagle3data.hidden.engines.vllm_capture import hidden_command
 
     if params.hidden.backend != "vllm":
         raise UserError("--print-engine-command: hidden.backend is not vllm")
@@ -329,7 +330,7 @@ def _hold_existing(run: str, stage: str) -> Any:
 
 
 def cmd_verify_hidden(args: argparse.Namespace) -> int:
-    from eagle3data.hidden.verify_run import verify_cli  # torch and the head only for this command
+    from eagle3data.hidden.verify.command import verify_cli  # torch and the head only for this command
 
     with _hold_existing(args.run, "04_verify_hidden"):  # it writes hidden/verify.jsonl and the index's record
         return verify_cli(args.run, recompute=args.recompute, positions=args.positions, out=args.out)

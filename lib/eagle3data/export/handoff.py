@@ -30,7 +30,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import orjson
 
-from eagle3data.hidden.store import INDEX_FILE, HiddenReader, split_states
+from eagle3data.hidden.store.format import INDEX_FILE, split_states
+from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.trainers.base import HandoffError
 from eagle3data.trainers.registry import TRAINERS, get_trainer
 from eagle3data.core.models import _quiet_transformers, resolve_model_path

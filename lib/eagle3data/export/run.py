@@ -35,7 +35,7 @@ from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
 from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
-from eagle3data.hidden.store import INDEX_FILE, INFO_FILE
+from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE
 
 FORMATS: tuple[str, ...] = tuple(TRAINERS)
 META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")

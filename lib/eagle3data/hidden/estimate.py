@@ -10,7 +10,7 @@ from typing import Any
 from eagle3data.core.params import RunParams
 from eagle3data.core.quant import FORMATS, SCALES, StateCodec, Storage
 from eagle3data.hidden.mix import Mix, hidden_dir
-from eagle3data.hidden.store import HiddenError, bytes_per_token, id_mask_bytes, state_names
+from eagle3data.hidden.store.format import HiddenError, bytes_per_token, id_mask_bytes, state_names
 from eagle3data.trainers.registry import TRAINERS
 
 

@@ -15,8 +15,9 @@ import orjson
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers
 from eagle3data.hidden.mix import Mix, hidden_dir, read_mix
-from eagle3data.hidden.store import INFO_FILE, HiddenError, index_rows, scan_shards, state_names, write_index
-from eagle3data.hidden.verify import keep_verification
+from eagle3data.hidden.store.format import INFO_FILE, HiddenError, state_names
+from eagle3data.hidden.store.index import index_rows, scan_shards, write_index
+from eagle3data.hidden.verify.run import keep_verification
 
 
 class IncompleteError(HiddenError):
@@ -29,7 +30,7 @@ class IncompleteError(HiddenError):
 
 def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: Mix | None = None,
                 allow_partial: bool = False) -> Any:
-    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards (`store.write_index`),
+    """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards (`store.index.write_index`),
     for a store of `layers` (the model's layer plan) and `hidden_size`; `extract.merge_index` is this for the model.
 
     Each mix sample appears once (a sample found in two shards, e.g. after the world size

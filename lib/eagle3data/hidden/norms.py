@@ -3,7 +3,7 @@
 (`rms_norm`).
 
 One reader for the two places that apply the final norm outside the model: the vLLM backend's post-norm state
-(`vllm_capture.final_norm`) and verify-hidden's head (`verify_head.load_head`). The kinds are checked against
+(`engines.vllm_capture.final_norm`) and verify-hidden's head (`verify.head.load_head`). The kinds are checked against
 transformers' own norm classes in tests/test_hidden_vllm.py.
 """
 

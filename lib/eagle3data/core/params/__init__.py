@@ -18,8 +18,8 @@ package's own module named beside it, and nothing else is named here.
 from eagle3data.core.params.audit import AuditParams
 from eagle3data.core.params.base import ModelParams, ParamsError, Strict
 from eagle3data.core.params.export import ExportParams
-from eagle3data.core.params.generate import (DatasetParams, GenerateParams, OpenAIParams, ProviderRouting, ReasoningParams,
-                                             SamplingParams, SGLangParams, VLLMParams, VLLMServerParams)
+from eagle3data.core.params.generate import (DatasetParams, GenerateParams, OpenAIParams, ProviderRouting,
+                                             ReasoningParams, SamplingParams, SGLangParams, VLLMParams, VLLMServerParams)
 from eagle3data.core.params.hidden import HiddenParams, HiddenVLLMParams
 from eagle3data.core.params.reconstruct import ReconstructParams
 from eagle3data.core.params.run import RunParams, load_params, params_for_display, parse_override, repo_root

@@ -29,7 +29,8 @@ class RunParams(Strict):
     audit: AuditParams = Field(default_factory=AuditParams)
     hidden: HiddenParams = Field(default_factory=HiddenParams)
     export: ExportParams = Field(default_factory=ExportParams)
-    # a new stage's section goes here, from its own module of this package (stage 06: `value: ValueParams`, core/params/value.py)
+    # a new stage's section goes here, from its own module of this package
+    # (stage 06: `value: ValueParams` from core/params/value.py)
 
     @field_validator("profile")
     @classmethod

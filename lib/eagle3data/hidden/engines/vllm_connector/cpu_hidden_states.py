@@ -1,7 +1,7 @@
 """vLLM's hidden-states connector for its CPU build: loaded by the SERVER (engine venv), never by eagle3data.
 
 `vllm ... --kv-transfer-config '{"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path":
-"cpu_hidden_states", ...}'` with this folder on the server's PYTHONPATH (`hidden/vllm_capture.py`
+"cpu_hidden_states", ...}'` with this folder on the server's PYTHONPATH (`hidden/engines/vllm_capture.py`
 builds the command). vLLM 0.32's `ExampleHiddenStatesConnector` copies each finished request's
 states out of the hidden-states cache on a CUDA stream into pinned memory, and reports the request
 done when a CUDA event says so; on CPU `pin_memory=True` kills the engine and there are no events.

@@ -1,8 +1,8 @@
 """`python -m eagle3data verify-hidden RUN_DIR`: the run's params, the recompute backends, the exit status.
 
-A recompute backend is a factory of what `extract.Capture` is (`run(input_ids) -> states`,
+A recompute backend is a factory of what `capture.Capture` is (`run(input_ids) -> states`,
 `close()`), so the forward is 04's own: `hf` is `Capture` on the target loaded as 04 loads it;
-`vllm` (`verify_vllm.py`) recomputes through a vLLM server, for a store that backend made; the
+`vllm` (`verify/vllm.py`) recomputes through a vLLM server, for a store that backend made; the
 run's `hidden.backend` picks.
 """
 
@@ -14,12 +14,13 @@ from typing import Any, Callable
 from eagle3data.core.params import RunParams
 from eagle3data.core.params.hidden import positions_problem
 from eagle3data.core.provenance import params_of_run
-from eagle3data.hidden.extract import Capture, layer_plan, load_config, load_extract_model
+from eagle3data.hidden.capture import Capture, layer_plan, load_config, load_extract_model
 from eagle3data.hidden.mix import hidden_dir
-from eagle3data.hidden.store import HiddenReader, _torch_dtype
-from eagle3data.hidden.verify import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
-from eagle3data.hidden.verify_checks import VerifyError
-from eagle3data.hidden.verify_vllm import vllm_backend
+from eagle3data.hidden.store.format import _torch_dtype
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.verify.checks import VerifyError
+from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
+from eagle3data.hidden.verify.vllm import vllm_backend
 
 
 def hf_backend(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
@@ -37,7 +38,7 @@ def hf_backend(params: RunParams, info: dict[str, Any], config: Any, model: Any 
 
 
 def vllm_recompute(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
-    """Through a vLLM server (`verify_vllm.py`: the run's `hidden.vllm`), for a store that backend made."""
+    """Through a vLLM server (`verify/vllm.py`: the run's `hidden.vllm`), for a store that backend made."""
     return vllm_backend(params, info, config, layer_plan(params, config))
 
 

@@ -1,8 +1,8 @@
 """`eagle3data verify-hidden`: prove that the stored states are the target's own (docs/04 "Verify").
 
 One streamed pass over the store (through `HiddenReader`, each shard read once) computes the
-figures of every sample (`verify_checks.chunk_figures`, many samples' states reduced at once:
-finiteness, flat rows, duplicate layers, the norm profile; `verify_head.head_figures`: the final state's kind,
+figures of every sample (`checks.chunk_figures`, many samples' states reduced at once:
+finiteness, flat rows, duplicate layers, the norm profile; `head.head_figures`: the final state's kind,
 the target's head at sampled positions, batched across samples) and
 the store checks that 04's validation has always made (shape, ids, mask, coverage); samples
 picked for recompute are run through the target again by a recompute backend and compared
@@ -32,12 +32,14 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.generate.backends.vllm_server import server_dtype
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
-from eagle3data.hidden.store import INDEX_FILE, INFO_FILE, HiddenReader, _torch_dtype, sample_problems, stored_bytes_per_token
-from eagle3data.hidden.verify_checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
+from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE, _torch_dtype, stored_bytes_per_token
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.store.validation import sample_problems
+from eagle3data.hidden.verify.checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
                                              VerifyError, chunk_figures, compare_states, exact_plan, head_counts, judge,
                                              out_z_floor, pooled_exact, profile_stats, recompute_failed,
                                              run_head_problems, top1_limit, unique_starts)
-from eagle3data.hidden.verify_head import HeadBatch, head_figures, load_head
+from eagle3data.hidden.verify.head import HeadBatch, head_figures, load_head
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
@@ -45,9 +47,10 @@ RECOMPUTE_GROUP = 256  # per-sample layouts: "a shard" for the default recompute
 DEFAULT_RECOMPUTE = 2  # samples recomputed per shard by default
 CHUNK_BYTES = 64 * 2**20  # stored bytes of consecutive samples whose figures are reduced at once (float32: twice)
 DEFAULT_POSITIONS = 64  # the most head positions per sample (exact, output z, prompt z each) by default; floors and
-# budget in verify_checks (Z_OUT_FLOOR, Z_PROMPT_FLOOR, EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE) choose how many below it
+# budget (checks: EXACT_RUN_FLOOR, HEAD_FLOPS_PER_BYTE; core/params/hidden: Z_OUT_FLOOR, Z_PROMPT_FLOOR) choose how
+# many below it
 
-# A recompute backend: what `extract.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
+# A recompute backend: what `capture.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
 # store's order and dtype, and `close()`. `verify_store` takes a factory of one, called only when a sample is picked.
 Backend = Callable[[], Any]
 
@@ -122,7 +125,7 @@ def compute_dtype(params: RunParams) -> str:
 
 def _sampling(view: Any, datasets: Sequence[str]) -> tuple[set[str], dict[str, float]]:
     """Keys of records sampled greedily (temperature 0) with exact ids (their head top-1 is checked), and each
-    record's sampling temperature where it says one (its output z floor: `verify_checks.out_z_floor`)."""
+    record's sampling temperature where it says one (its output z floor: `checks.out_z_floor`)."""
     greedy, temps = set(), {}
     for r in view.records(datasets):
         t = (r.get("sampling") or {}).get("temperature")
@@ -141,7 +144,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     `config`: the target's config (norm eps, tied head); `backend`: makes the recompute backend (see
     `Backend`), needed when `recompute` (samples per shard run through the target again; `all`; 0
     for none) picks any; `positions`: the most output and prompt positions per sample given to the head (each;
-    0 = all); below it `verify_checks.head_counts` picks the count (floors for the checks' power, a budget per byte).
+    0 = all); below it `checks.head_counts` picks the count (floors for the checks' power, a budget per byte).
     """
     if why := positions_problem(positions):
         raise VerifyError(f"verify-hidden positions {positions}: {why}")

@@ -1,13 +1,13 @@
 """verify-hidden's `vllm` recompute backend: a store made by vLLM is recomputed by a vLLM server.
 
-`verify_run.BACKENDS["vllm"]` (the backend `verify-hidden` and 04's own verify pick for a store of
+`verify.command.BACKENDS["vllm"]` (the backend `verify-hidden` and 04's own verify pick for a store of
 `hidden.backend: vllm`). Each sample picked for recompute goes to the server as 04 sent it (the one
-request and reply of `vllm_capture.HiddenBackend`: `prompt` = its ids, `max_tokens: 1`,
+request and reply of `engines.vllm_capture.HiddenBackend`: `prompt` = its ids, `max_tokens: 1`,
 `return_token_ids`, the echoed ids checked), its file is read after its lock through 04's
 `read_states` (the same checks, the same post-norm: the model's final norm in fp32) and deleted,
 and verify compares every stored layer with it within the store dtype's tolerance.
 
-The server: inside 04 (`run_extract`), the one its capture used (`vllm_capture.vllm_session`:
+The server: inside 04 (`run_extract`), the one its capture used (`engines.vllm_capture.vllm_session`:
 `hidden.vllm.base_url`, or the launched one, stopped after the verify); from `verify-hidden`, the
 run's `hidden.vllm.base_url`, or with `launch` a server started for the verify and stopped by
 `close()`.
@@ -25,14 +25,14 @@ from eagle3data.core.params import RunParams
 from eagle3data.generate.backends.engine import Job
 from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.run import _run_async
-from eagle3data.hidden.store import _torch_dtype
-from eagle3data.hidden.verify_checks import VerifyError
-from eagle3data.hidden.vllm_capture import (HiddenBackend, final_norm, read_states, remove_engine_files, run_lease,
-                                            wait_unlocked)
+from eagle3data.hidden.engines.vllm_capture import (HiddenBackend, final_norm, read_states, remove_engine_files,
+                                                    run_lease, wait_unlocked)
+from eagle3data.hidden.store.format import _torch_dtype
+from eagle3data.hidden.verify.checks import VerifyError
 
 
 class VLLMRecompute:
-    """`run(input_ids [1, n]) -> states [1, n, S, hidden]` through a vLLM server, as `extract.Capture` runs the HF
+    """`run(input_ids [1, n]) -> states [1, n, S, hidden]` through a vLLM server, as `capture.Capture` runs the HF
     forward; `close()` stops a server started for it."""
 
     def __init__(self, params: RunParams, info: dict[str, Any], config: Any, layers: Any):
@@ -88,7 +88,7 @@ class VLLMRecompute:
 
 def vllm_backend(params: RunParams, info: dict[str, Any], config: Any, layers: Any) -> Callable[[], Any]:
     """The `vllm` recompute backend for a store (its `index.json` info) of the target whose layer plan is
-    `layers` (`extract.layer_plan`), checked to capture the layers the store says."""
+    `layers` (`capture.layer_plan`), checked to capture the layers the store says."""
     if list(layers.hf_indices) != list(info.get("hf_indices") or layers.hf_indices):
         raise VerifyError(f"the store holds HF indices {info.get('hf_indices')}, the model's layer plan is "
                           f"{list(layers.hf_indices)}: not the store's target")

@@ -1,10 +1,10 @@
-"""The per-sample figures and verdicts of `verify-hidden` (`verify.py` streams the store through them).
+"""The per-sample figures and verdicts of `verify-hidden` (`verify/run.py` streams the store through them).
 
 Every figure is computed from one stored sample alone (read once); the verdicts compare it
 with fixed limits measured on clean stores (docs/04 "Verify") and with the run's own samples
 (median and MAD across samples), so a sample that differs from its run stands out.
 
-The target's head (`Head`, `HeadBatch`, `head_figures`) is in `verify_head.py`.
+The target's head (`Head`, `HeadBatch`, `head_figures`) is in `verify/head.py`.
 """
 
 from __future__ import annotations

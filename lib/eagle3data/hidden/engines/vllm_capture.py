@@ -3,7 +3,7 @@
 The server runs the speculative method `extract_hidden_states` with layer ids `[2, N//2, N-3, N]`
 (HF `hidden_states` indices: the profile's three aux layers, then `N`, the last layer's output
 before the final norm) and a hidden-states connector: on CPU the project's own
-(`engine/cpu_hidden_states.py`, loaded by the server through `kv_connector_module_path`), on CUDA
+(`vllm_connector/cpu_hidden_states.py`, loaded by the server through `kv_connector_module_path`), on CUDA
 vLLM's `ExampleHiddenStatesConnector`. Each mix sample goes as one `/v1/completions` request
 (`prompt` = its ids, `max_tokens: 1`, `return_token_ids`); the reply's `prompt_token_ids` must
 equal what was sent, and its `kv_transfer_params.hidden_states_path` names a safetensors file
@@ -47,11 +47,11 @@ from eagle3data.generate.ledger import DatasetLedger, write_ledger
 from eagle3data.generate.run import _run_async
 from eagle3data.generate.signals import _stop_signals
 from eagle3data.hidden.mix import hidden_dir
-from eagle3data.hidden.store import AUX_NAMES, HiddenError, state_names
+from eagle3data.hidden.store.format import AUX_NAMES, HiddenError, state_names
 
 STAGE = "04_extract_hidden"
-CONNECTOR_DIR = Path(__file__).resolve().parent / "engine"  # on the server's PYTHONPATH: the connector alone
-CPU_CONNECTOR = ("CPUHiddenStatesConnector", "cpu_hidden_states")  # class, module (engine/cpu_hidden_states.py)
+CONNECTOR_DIR = Path(__file__).resolve().parent / "vllm_connector"  # on the server's PYTHONPATH: the connector alone
+CPU_CONNECTOR = ("CPUHiddenStatesConnector", "cpu_hidden_states")  # class, module (vllm_connector/cpu_hidden_states.py)
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 LOCK_POLL_S = 0.02
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from eagle3data.core.models import cache_dir, text_config
 from eagle3data.hidden.norms import read_final_norm, rms_norm, weight_files
-from eagle3data.hidden.verify_checks import UNIT_RMS_TOL, VerifyError, positions
+from eagle3data.hidden.verify.checks import UNIT_RMS_TOL, VerifyError, positions
 
 HEAD_BATCH = 512  # positions per head GEMM, across samples
 UNIT_ROWS = 32  # rows per sample at which the final state's kind is judged (`head_figures`)
