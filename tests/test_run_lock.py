@@ -274,7 +274,31 @@ def test_export_and_verify_hidden_refuse_a_folder_a_stage_is_writing(ci_run, tmp
     assert not (run_dir / "run.lock.json").exists()  # and it let the folder go
 
 
-def test_export_of_a_missing_run_folder_is_one_line_and_creates_nothing(tmp_path):
-    r = _done(_cli("export", str(tmp_path / "nope"), "--format", "specforge", "--out", str(tmp_path / "o")))
-    assert r.returncode != 0 and "no records/ folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "nope").exists()
+@pytest.mark.parametrize("command", [["export", "{run}", "--format", "specforge", "--out", "{out}"],
+                                     ["verify-hidden", "{run}", "--out", "{out}"]])
+def test_a_command_on_a_missing_run_folder_is_one_line_and_creates_nothing(tmp_path, command):
+    """The run lock refuses the path (`hold_run(..., create=False)`): the commands have no pre-check of their own."""
+    r = _done(_cli(*[a.format(run=tmp_path / "nope", out=tmp_path / "o") for a in command]))
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nope'}: no such run folder (outputs/<run>)"], r.stderr
+    assert not (tmp_path / "nope").exists() and not (tmp_path / "o").exists()
+
+
+def test_export_of_a_folder_that_is_no_run_is_its_own_line_and_leaves_no_lock(tmp_path):
+    (tmp_path / "notarun").mkdir()
+    r = _done(_cli("export", str(tmp_path / "notarun"), "--format", "specforge", "--out", str(tmp_path / "o")))
+    assert r.returncode == 2 and "no records/ folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert list((tmp_path / "notarun").iterdir()) == []  # the lock taken for the command is gone with it
+
+
+def test_hold_run_makes_the_folder_unless_told_it_must_exist(tmp_path):
+    from eagle3data.core.runlock import RunFolderMissing, hold_run
+
+    with pytest.raises(RunFolderMissing, match="no such run folder"):
+        hold_run(tmp_path / "typo", "05_export", create=False)
+    assert not (tmp_path / "typo").exists()
+    with hold_run(tmp_path / "new", "01_generate"):
+        assert (tmp_path / "new").is_dir()
+    (tmp_path / "old").mkdir()
+    with hold_run(tmp_path / "old", "05_export", create=False) as lock:
+        assert lock.path.exists()

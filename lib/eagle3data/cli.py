@@ -322,17 +322,11 @@ def print_engine_command(params: Any, stage: str) -> int:
     return 0
 
 
-def _hold_existing(run: str, stage: str) -> Any:
-    """Hold an existing run folder for a command that writes into it (a typo'd path is an error, not a new folder)."""
-    if not (Path(run) / "records").is_dir():
-        raise UserError(f"{run} has no records/ folder: is it a run folder (outputs/<run>)?")
-    return hold_run(Path(run), stage)
-
-
 def cmd_verify_hidden(args: argparse.Namespace) -> int:
     from eagle3data.hidden.verify.command import verify_cli  # torch and the head only for this command
 
-    with _hold_existing(args.run, "04_verify_hidden"):  # it writes hidden/verify.jsonl and the index's record
+    # it writes hidden/verify.jsonl and the index's record; a path that is no folder is one line, and is not made
+    with hold_run(Path(args.run), "04_verify_hidden", create=False):
         return verify_cli(args.run, recompute=args.recompute, positions=args.positions, out=args.out)
 
 
@@ -346,7 +340,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3data.export.run import export_cli  # the stage only for this command
 
-    with _hold_existing(args.run, "05_export"):  # no export of a store that a live 04 is still writing
+    with hold_run(Path(args.run), "05_export", create=False):  # no export of a store that a live 04 is still writing
         return export_cli(args.run, fmt=args.format, out=args.out)
 
 

@@ -53,6 +53,13 @@ class RunFolderBusy(UserInputError):
     status = 2
 
 
+class RunFolderMissing(UserInputError):
+    """A command that writes into an existing run folder (`hold_run(..., create=False)`) was given a path that is none
+    (a typo'd path is an error, not a new folder). Exit 2."""
+
+    status = 2
+
+
 def launch_id() -> str | None:
     """The launch this process belongs to: `eagle3data run`'s (its kernels), a torchrun's, or None (alone)."""
     if os.environ.get(LAUNCH_ENV):
@@ -195,8 +202,12 @@ class RunLock:
         self.rec: dict[str, Any] = {}
 
     # -------------------------------------------------------------- taking it
-    def acquire(self, say: Any = None) -> "RunLock":
-        """Take the folder (or join its launch) or raise RunFolderBusy; says so when a dead holder's lock is taken over."""
+    def acquire(self, say: Any = None, create: bool = True) -> "RunLock":
+        """Take the folder (or join its launch) or raise RunFolderBusy; says so when a dead holder's lock is taken over.
+
+        `create` False: the folder must exist already (else RunFolderMissing, and nothing is made)."""
+        if not create and not self.run_dir.is_dir():
+            raise RunFolderMissing(f"{_shown(self.run_dir)}: no such run folder (outputs/<run>)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(50):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -324,17 +335,20 @@ class RunLock:
         self.release()
 
 
-def hold_run(run_dir: Path, stage: str, say: Any = None) -> RunLock:
+def hold_run(run_dir: Path, stage: str, say: Any = None, *, create: bool = True) -> RunLock:
     """Take the run folder for `stage` (a context manager; nested holds in one process share one), or raise RunFolderBusy.
 
-    `say(line)`: where the line about a taken-over stale lock goes (default: stderr)."""
+    `say(line)`: where the line about a taken-over stale lock goes (default: stderr). `create` False: for a command
+    that writes into a run made before (`export`, `verify-hidden`): a folder that does not exist is RunFolderMissing
+    (one line, exit 2) and is not made."""
     key = Path(run_dir).resolve()
     with RunLock._guard:
         held = RunLock._held.get(key)
         if held is not None:
             held.depth += 1
             return held
-    lock = RunLock(key, stage).acquire(say or (lambda line: print(line, file=sys.stderr, flush=True)))
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    lock = RunLock(key, stage).acquire(say, create=create)
     with RunLock._guard:
         lock.depth = 1
         RunLock._held[key] = lock

@@ -64,8 +64,6 @@ def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: s
                backend: str | None = None) -> int:
     """Verify a run's store; print one line and each failing sample; exit 0 when all pass, 1 when any fails."""
     run_dir = Path(run)
-    if not run_dir.is_dir():
-        raise VerifyError(f"{run_dir}: not a run folder (outputs/<run>)")
     if positions is not None and (why := positions_problem(positions)):
         raise VerifyError(f"verify-hidden --positions {positions}: {why}")
     per_shard = parse_recompute(recompute)
