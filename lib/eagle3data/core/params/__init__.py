@@ -7,7 +7,7 @@ validation. Secrets never live here: params name the environment variable that h
 
 One module per section: `base` (strict models, `ParamsError`, `model:`), `generate` (`datasets:`
 and `generate:` with its backends), `reconstruct`, `audit`, `hidden` (with the head-position cap
-of 04's verification), `export`, and `run` (`RunParams`, which holds them all, and `load_params`).
+of 04's verification), `export`, `value` (stage 06), and `run` (`RunParams`, which holds them all, and `load_params`).
 A new stage's section gets its own module here and one field on `RunParams` (stage 06: `value`).
 
 The names below are the params' public names, imported from here by notebooks, the stages and
@@ -22,9 +22,11 @@ from eagle3data.core.params.generate import (DatasetParams, GenerateParams, Open
                                              ReasoningParams, SamplingParams, SGLangParams, VLLMParams, VLLMServerParams)
 from eagle3data.core.params.hidden import HiddenParams, HiddenVLLMParams
 from eagle3data.core.params.reconstruct import ReconstructParams
+from eagle3data.core.params.value import ValueEvalParams, ValueParams, ValueTrainParams
 from eagle3data.core.params.run import RunParams, load_params, params_for_display, parse_override, repo_root
 
 __all__ = ["AuditParams", "DatasetParams", "ExportParams", "GenerateParams", "HiddenParams", "HiddenVLLMParams",
            "ModelParams", "OpenAIParams", "ParamsError", "ProviderRouting", "ReasoningParams", "ReconstructParams",
-           "RunParams", "SGLangParams", "SamplingParams", "Strict", "VLLMParams", "VLLMServerParams", "load_params",
+           "RunParams", "SGLangParams", "SamplingParams", "Strict", "VLLMParams", "VLLMServerParams", "ValueEvalParams", "ValueParams",
+           "ValueTrainParams", "load_params",
            "params_for_display", "parse_override", "repo_root"]

@@ -15,6 +15,7 @@ from eagle3data.core.params.export import ExportParams
 from eagle3data.core.params.generate import DatasetParams, GenerateParams
 from eagle3data.core.params.hidden import HiddenParams
 from eagle3data.core.params.reconstruct import ReconstructParams
+from eagle3data.core.params.value import ValueParams
 from eagle3data.core.profiles import PROFILES
 
 
@@ -29,8 +30,7 @@ class RunParams(Strict):
     audit: AuditParams = Field(default_factory=AuditParams)
     hidden: HiddenParams = Field(default_factory=HiddenParams)
     export: ExportParams = Field(default_factory=ExportParams)
-    # a new stage's section goes here, from its own module of this package
-    # (stage 06: `value: ValueParams` from core/params/value.py)
+    value: ValueParams = Field(default_factory=ValueParams)
 
     @field_validator("profile")
     @classmethod
