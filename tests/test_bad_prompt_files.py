@@ -88,7 +88,8 @@ def test_a_whole_file_in_windows_1252_or_utf_16_is_named_with_its_encoding_and_t
             load_prompts(f)
         assert str(e.value) == why
         res = _prompts_cmd(f)
-        assert res.returncode == 2 and res.stdout.strip().splitlines() == [f"error: {why}"], (name, res.stdout)
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"error: {why}"] and not res.stdout, \
+            (name, res.stdout, res.stderr)
     # real binary files stay binary
     binaries = {"zeros.jsonl": bytes(4096), "packed.jsonl": gzip.compress(text.encode()),
                 "random.json": bytes((i * 7919 + 13) % 256 for i in range(8192))}
@@ -114,7 +115,7 @@ def test_a_json_array_cut_off_is_called_cut_off(tmp_path):
             load_prompts(f, format="sharegpt")
         assert str(e.value) == why
         res = _prompts_cmd(f, "sharegpt")
-        assert res.returncode == 2 and res.stdout.strip() == f"error: {why}", res.stdout
+        assert res.returncode == 2 and res.stderr.strip() == f"error: {why}" and not res.stdout, res.stdout + res.stderr
     # larger than what the preflight reads: the file's last bytes say it is not closed
     big = tmp_path / "big.json"
     big.write_text(json.dumps([_row(i, "x" * 500) for i in range(4000)])[:-40])
@@ -175,7 +176,7 @@ def test_a_dataset_folder_with_several_configs_and_no_subset_lists_them(tmp_path
     probs = ready_problems(params, ["01_generate"])
     assert probs == [f"datasets.0 (mot, format mixture_of_thoughts): {want}"]
     res = _prompts_cmd(repo, "mixture_of_thoughts")
-    assert res.returncode == 2 and res.stdout.strip() == f"error: {want}", res.stdout
+    assert res.returncode == 2 and res.stderr.strip() == f"error: {want}" and not res.stdout, res.stdout + res.stderr
     assert "one of math, code" in check_source(str(repo), "mixture_of_thoughts", subset="all")
     assert check_source(str(repo), "mixture_of_thoughts", subset="code") is None
     assert len(load_prompts(repo, format="mixture_of_thoughts", subset="code").prompts) == len(rows)
@@ -228,5 +229,5 @@ def test_a_dataset_folder_with_a_default_config_reads_it_and_says_so(tmp_path, s
             "main, metadata")
     assert check_source(str(other), "openthoughts") == want
     res = _prompts_cmd(other, "openthoughts")
-    assert res.returncode == 2 and want in res.stdout + res.stderr, res.stdout + res.stderr
+    assert res.returncode == 2 and res.stderr.strip() == f"error: {want}" and not res.stdout, res.stdout + res.stderr
     assert len(load_prompts(other, format="openthoughts", subset="main").prompts) == len(rows)

@@ -262,7 +262,13 @@ def test_prompts_command_shows_rejections_and_writes_prompts_that_read_back(tmp_
     assert back.prompts[0].conversation == orig.prompts[0].conversation
     bad = subprocess.run([sys.executable, "-m", "eagle3data", "prompts", str(tmp_path / "nope.jsonl"), "--format", "openai"],
                          cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and f"prompt file not found: {tmp_path / 'nope.jsonl'}" in bad.stdout
+    # through cli.main's one error mapping, as every command: one line on stderr, exit 2, nothing on stdout
+    assert bad.returncode == 2 and not bad.stdout and bad.stderr.strip().splitlines() == [
+        f"error: prompt file not found: {tmp_path / 'nope.jsonl'}"], bad.stdout + bad.stderr
+    unknown = subprocess.run([sys.executable, "-m", "eagle3data", "prompts", str(f), "--format", "nosuch"],
+                             cwd=REPO, capture_output=True, text=True)
+    assert unknown.returncode == 2 and not unknown.stdout and unknown.stderr.strip().splitlines() == [
+        f"error: unknown dataset format 'nosuch'; known: {', '.join(FORMATS)}"], unknown.stdout + unknown.stderr
 
 
 @pytest.mark.slow

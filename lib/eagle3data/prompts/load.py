@@ -429,22 +429,19 @@ def _short(v: Any, n: int = 160) -> Any:
 def prompts_cli(path: str, format: str, *, split: str | None = None, subset: str | None = None,
                 show: int = 3, rejected: int = 20, out: str | None = None) -> int:
     """What a file turns into: counts, rejections by reason with their location, examples; `out` writes
-    the normalized prompts as `format: prompts` JSONL. Exit status 0 with usable prompts, 1 with none,
-    2 when the file cannot be read at all."""
+    the normalized prompts as `format: prompts` JSONL. Exit status 0 with usable prompts, 1 with none;
+    a file that cannot be read at all raises PromptDataError (`cli.main`: one line on stderr, exit 2)."""
     try:
         get_format(format)
     except KeyError as e:
-        print(e.args[0])
-        return 2
+        raise PromptDataError(e.args[0]) from None
     why = check_source(path, format, split=split, subset=subset, all_bad=False)  # all-bad rows: listed below
     if why:
-        print(f"error: {why}")
-        return 2
+        raise PromptDataError(why)
     try:
         ps = load_prompts(path, format=format, split=split, subset=subset)
-    except (PromptDataError, FileNotFoundError) as e:
-        print(f"error: {e}")
-        return 2
+    except FileNotFoundError as e:  # an unknown builtin: name
+        raise PromptDataError(str(e)) from None
     turns = Counter(len(p.conversation or p.messages) for p in ps.prompts)
     replies = sum("reference_reply" in p.meta for p in ps.prompts)
     with_tools = sum(bool(p.tools) for p in ps.prompts)
