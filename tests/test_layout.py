@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LIB = REPO / "lib" / "eagle3data"
 # the pipeline, in order: a package imports the core, the packages before it and itself, never one after it
-ORDER = ["core", "trainers", "prompts", "generate", "rebuild", "audit", "hidden", "export"]
+ORDER = ["core", "trainers", "prompts", "generate", "rebuild", "audit", "hidden", "export", "value"]
 ENTRY = {"eagle3data", "eagle3data.__main__", "eagle3data.cli", "eagle3data.headless", "eagle3data.preflight"}  # may import any stage
 # the imports against the order, with their reasons
 ALLOWED = {("eagle3data.core.params.generate", "eagle3data.prompts.formats"):

@@ -39,7 +39,7 @@ from eagle3data.preflight import ready_problems
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden", "05_export"]
+STAGES = ["01_generate", "02_reconstruct", "03_audit", "04_extract_hidden", "05_export", "06_value"]
 STAGE_ALIASES = {s.split("_", 1)[0]: s for s in STAGES} | {s.split("_", 1)[1]: s for s in STAGES} | {
     "hidden": "04_extract_hidden", "extract": "04_extract_hidden"}
 # stages that need the hidden-state pass; `hidden.enabled: false` leaves them out of a full run
@@ -76,6 +76,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     stages = [resolve_stage(s) for s in args.only] if args.only else list(STAGES)
     if not params.hidden.enabled and not args.only:
         stages = [s for s in stages if s not in HIDDEN_STAGES]
+    if not params.value.enabled and not args.only:  # 06 trains drafts: only when the params ask (`value.enabled`)
+        stages = [s for s in stages if s != "06_value"]
     problems = ready_problems(params, stages)
     if problems:
         raise UserError("; ".join(problems))
@@ -344,6 +346,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         return export_cli(args.run, fmt=args.format, out=args.out)
 
 
+def cmd_value(args: argparse.Namespace) -> int:
+    from eagle3data.value.run import value_cli  # the stage only for this command
+
+    with hold_run(Path(args.run), "06_value", create=False):
+        return value_cli(args.run, variants=args.variants)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eagle3data", description=__doc__.split("\n")[0])
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -354,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"),
                    help="override a param by dotted key, e.g. -p generate.sampling.max_new_tokens 64")
     r.add_argument("--only", action="append", metavar="STAGE",
-                   help="run only this stage (01/generate, 02, 03, 04, 05/export); repeatable")
+                   help="run only this stage (01/generate, 02, 03, 04, 05/export, 06/value); repeatable")
     r.add_argument("--progress-every", type=float, metavar="SECONDS",
                    help="print the progress line every SECONDS on new lines (default: refreshed in place "
                         "on a terminal, every 30 s otherwise)")
@@ -412,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", required=True, choices=["specforge", "speculators"])
     e.add_argument("--out", required=True, help="output folder")
     e.set_defaults(func=cmd_export)
+
+    v = sub.add_parser("value", help="stage 06: train a draft on the run's hand-off and measure its acceptance "
+                                     "length (exit 3 when stopped; run again to resume)")
+    v.add_argument("run", help="run folder with 04's store and 05's speculators hand-off, e.g. outputs/value")
+    v.add_argument("--variants", nargs="+", help="variants to train and compare (default: the run's value.variants)")
+    v.set_defaults(func=cmd_value)
 
     pr = sub.add_parser("prompts", help="show what a prompt dataset turns into (counts, rejected rows, examples)")
     pr.add_argument("path", help="file (.jsonl/.json/.parquet/.arrow), folder of shards, builtin:NAME or hf:NAME")

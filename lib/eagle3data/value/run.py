@@ -1,0 +1,324 @@
+"""Stage 06: train a draft per variant on the run's speculators hand-off and measure its acceptance length.
+
+One plan (`plan_value`), shown by notebook 06 and run by `python -m eagle3data value RUN` and
+`eagle3data run` (when `value.enabled`): the hand-off, the store's layers, the evaluation prompts
+(HumanEval + the held-out split, written to `value/eval_prompts.jsonl` as sent), the training rows
+(the hand-off's rows less every held-out conversation, refused when an evaluation prompt leaks in),
+the variants. `run_value` then makes the reference continuations (the plain server's greedy ids,
+kept in `value/reference.jsonl`), the target's states over them (04's Capture), and per variant:
+trains (resumable), measures offline τ and engine τ with 95% intervals over prompts, checks that the
+speculative ids equal the greedy ones, and writes `value/<variant>/result.json`. A finished variant
+is kept on the next run; `value/summary.json` gathers them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from eagle3data.core.atomic import write_atomic
+from eagle3data.core.models import EMBEDDED_PREFIX, resolve_model_path, tokenizer_for
+from eagle3data.core.params import RunParams
+from eagle3data.core.profiles import get_profile
+from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
+from eagle3data.core.reader import SampleKey, read_run
+from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
+from eagle3data.value.engine import serve
+from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
+from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
+from eagle3data.value.train import (TrainConfig, TrainingStopped, TrainResult, ValueStageError, check_draft_layers,
+                                    layer_ids_of_store, load_draft, train_draft)
+
+HANDOFF = Path("export") / "speculators"
+VARIANTS = {"exact": "the run's hand-off as it is (exact ids, verified states)",
+            "half": "the same hand-off, the first half of its training rows (how far from saturation)"}
+BOOTSTRAP = 2000
+
+
+@dataclass
+class ValuePlan:
+    run_dir: Path
+    handoff: Path
+    model_dir: Path
+    layer_ids: list[int]
+    evals: list[EvalPrompt]
+    train_rows: list[int]
+    train_keys: list[str]
+    excluded_rows: int
+    variants: list[str]
+    held_out: dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> Any:
+        import pandas as pd
+
+        counts: dict[str, int] = {}
+        for e in self.evals:
+            counts[e.dataset] = counts.get(e.dataset, 0) + 1
+        return pd.DataFrame([{"evaluation set": k, "prompts": v} for k, v in counts.items()]
+                            + [{"evaluation set": "(training rows)", "prompts": len(self.train_rows)}])
+
+
+def _model_dir(params: RunParams) -> Path:
+
+    p = params.model.path
+    return Path(resolve_model_path(p)) if p.startswith(EMBEDDED_PREFIX) else Path(p).expanduser()
+
+
+def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
+    """What 06 will train and evaluate on; refuses a missing hand-off, unknown variants and any leak."""
+
+    run_dir = params.run_dir
+    handoff = run_dir / HANDOFF
+    info_path = handoff / "handoff.json"
+    if not info_path.exists():
+        raise ValueStageError(f"{info_path}: no speculators hand-off (run 04 and 05 with export.formats including "
+                          "speculators first)")
+    bad = [v for v in params.value.variants if v not in VARIANTS]
+    if bad:
+        raise ValueStageError(f"value.variants: unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}")
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    keys = [str(k) for k in info.get("keys") or []]
+    layer_ids = layer_ids_of_store(run_dir / "hidden")
+    ev = params.value.eval
+    tok = tokenizer if tokenizer is not None else tokenizer_for(params)
+    profile = get_profile(params.profile)
+    view = read_run(run_dir, rebuilt=False, verdicts=False)
+    records = view.records()
+    evals = humaneval_prompts(tok, profile, ev.humaneval) if ev.humaneval else []
+    held = held_out_prompts(records, ev.held_out_per_dataset, ev.seed) if ev.held_out_per_dataset else []
+    evals += held
+    held_convs = {e.key for e in held}
+    rows = [i for i, k in enumerate(keys) if k.split("#", 1)[0] not in held_convs]
+    if params.value.train.max_train_samples:
+        rows = rows[: params.value.train.max_train_samples]
+    by_key = {str(SampleKey.of(r)): r for r in records}
+    train_keys = [keys[i] for i in rows]
+    problems = leak_problems(evals, train_keys, {k: by_key.get(k, {}) for k in train_keys}, str(info_path))
+    if problems:
+        raise ValueStageError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return ValuePlan(run_dir, handoff, _model_dir(params), layer_ids, evals, rows, train_keys,
+                     len(keys) - len(rows), list(params.value.variants),
+                     {"ok": True, "by_key": True, "by_text": True, "held_out_conversations": len(held_convs),
+                      "excluded_rows": len(keys) - len(rows), "humaneval": sum(e.dataset == "humaneval" for e in evals)})
+
+
+# ----------------------------------------------------------------------------------------------- figures
+
+
+def ratio_ci(num: Sequence[float], den: Sequence[float], seed: int = 0) -> tuple[float | None, list[float] | None]:
+    """1 + Σnum/Σden over prompts, with a 95% percentile bootstrap interval over prompts (seeded)."""
+    pairs = [(a, b) for a, b in zip(num, den) if b]
+    if not pairs:
+        return None, None
+    est = 1 + sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+    rng = random.Random(seed)
+    boots = []
+    for _ in range(BOOTSTRAP):
+        s = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        boots.append(1 + sum(a for a, _ in s) / sum(b for _, b in s))
+    boots.sort()
+    return round(est, 4), [round(boots[int(0.025 * BOOTSTRAP)], 4), round(boots[int(0.975 * BOOTSTRAP) - 1], 4)]
+
+
+# ----------------------------------------------------------------------------------------------- steps
+
+
+def _eval_rows_path(run_dir: Path) -> Path:
+    return run_dir / "value" / "eval_prompts.jsonl"
+
+
+def reference_continuations(params: RunParams, plan: ValuePlan, say: Callable[[str], None]) -> list[list[int]]:
+    """The target's greedy ids for every evaluation prompt: the plain vLLM server's (kept in value/reference.jsonl)."""
+
+    ev = params.value.eval
+    path = plan.run_dir / "value" / "reference.jsonl"
+    want = [e.row() | {"max_new_tokens": ev.max_new_tokens} for e in plan.evals]
+    if path.exists():
+        rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        if [{k: r[k] for k in ("dataset", "sample_id", "prompt_ids", "max_new_tokens")} for r in rows] == want:
+            say(f"reference continuations: {len(rows)} kept from {path}")
+            return [r["output_ids"] for r in rows]
+    if ev.engine:
+        served, info = serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
+                             stage="06_plain", concurrency=ev.concurrency, say=say)
+        outs = [s.ids for s in served]
+        secs = [s.seconds for s in served]
+    else:
+        outs, secs, info = _hf_greedy(params, plan, ev.max_new_tokens), [None] * len(plan.evals), {}
+    write_atomic(path, "".join(json.dumps(w | {"output_ids": o, "seconds": s}) + "\n"
+                               for w, o, s in zip(want, outs, secs)).encode())
+    write_atomic(plan.run_dir / "value" / "plain_serving.json", json.dumps(info, indent=1).encode())
+    return outs
+
+
+def _hf_greedy(params: RunParams, plan: ValuePlan, max_new: int) -> list[list[int]]:
+    import torch
+
+
+    model = load_extract_model(params)
+    outs = []
+    for e in plan.evals:
+        with torch.inference_mode():
+            g = model.generate(torch.tensor([e.prompt_ids]), max_new_tokens=max_new, do_sample=False)
+        outs.append(g[0, len(e.prompt_ids):].tolist())
+    return outs
+
+
+def _fingerprint(params: RunParams, plan: ValuePlan, variant: str) -> dict[str, Any]:
+    return {"variant": variant, "train": params.value.train.model_dump(),
+            "eval": params.value.eval.model_dump(exclude={"server", "concurrency"}),
+            "rows": len(plan.train_rows), "layer_ids": plan.layer_ids,
+            "eval_prompts": len(plan.evals)}
+
+
+def variant_rows(plan: ValuePlan, variant: str) -> list[int]:
+    return plan.train_rows[: max(1, len(plan.train_rows) // 2)] if variant == "half" else plan.train_rows
+
+
+def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
+                say: Callable[[str], None]) -> dict[str, Any]:
+    """Train (or resume) one variant's draft, then measure it offline and through the engine."""
+
+    tp, ev = params.value.train, params.value.eval
+    out = plan.run_dir / "value" / variant
+    done = out / "result.json"
+    fp = _fingerprint(params, plan, variant)
+    if done.exists():
+        prev = json.loads(done.read_text(encoding="utf-8"))
+        if prev.get("fingerprint") == fp:
+            say(f"{variant}: finished earlier, kept ({done})")
+            return prev
+    cfg = TrainConfig(epochs=tp.epochs, total_seq_len=tp.total_seq_len, lr=tp.lr, optimizer=tp.optimizer,
+                      ttt_steps=tp.ttt_steps, loss_fn=tp.loss_fn, num_layers=tp.num_layers, seed=tp.seed,
+                      max_steps=tp.max_steps, checkpoint_every=tp.checkpoint_every, threads=tp.threads)
+    rows = variant_rows(plan, variant)
+    say(f"{variant}: training on {len(rows):,} rows of {plan.handoff}")
+    tr: TrainResult = train_draft(plan.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
+                                  say=lambda s: say(f"{variant}: {s}"))
+    check_draft_layers(tr.draft_dir, plan.layer_ids)
+    K = ev.num_speculative_tokens
+    draft = load_draft(tr.draft_dir)
+    d2t = draft.d2t
+    t0 = time.monotonic()
+    offline = [offline_tau(draft, s, K, d2t) for s in seqs]
+    offline_s = time.monotonic() - t0
+    del draft
+    served, info = (serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
+                          stage=f"06_{variant}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency, say=say)
+                    if ev.engine else ([None] * len(seqs), {}))
+    per_prompt, per_ds = [], {}
+    lossless_all = True
+    for e, s, o, sv in zip(plan.evals, seqs, offline, served):
+        ref = s.input_ids[s.prompt_len:]
+        lossless = None if sv is None else sv.ids == ref
+        lossless_all &= lossless is not False
+        per_prompt.append({"dataset": e.dataset, "sample_id": e.sample_id, "anchors": o.anchors,
+                           "offline_accepted": sum(o.accepted), "tau_offline": o.tau,
+                           "engine_steps": None if sv is None else sv.steps,
+                           "engine_accepted": None if sv is None else sv.accepted,
+                           "tau_engine": None if sv is None else sv.tau, "lossless": lossless,
+                           "per_step_accepted": None if sv is None else sv.per_step})
+    for ds in dict.fromkeys(e.dataset for e in plan.evals):
+        idx = [i for i, e in enumerate(plan.evals) if e.dataset == ds]
+        pp = [per_prompt[i] for i in idx]
+        t_off, ci_off = ratio_ci([p["offline_accepted"] for p in pp], [p["anchors"] for p in pp], tp.seed)
+        t_eng, ci_eng = (ratio_ci([p["engine_accepted"] for p in pp], [p["engine_steps"] for p in pp], tp.seed)
+                         if ev.engine else (None, None))
+        steps = [a for p in pp for a in (p["per_step_accepted"] or [])]
+        per_ds[ds] = {"prompts": len(pp), "tau_offline": t_off, "tau_offline_ci95": ci_off, "tau_engine": t_eng,
+                      "tau_engine_ci95": ci_eng,
+                      "per_position": per_position([offline[i] for i in idx], K),
+                      "per_position_engine": ([round(sum(a >= k for a in steps) / len(steps), 4) for k in range(1, K + 1)]
+                                              if steps else None),
+                      "lossless": None if not ev.engine else all(p["lossless"] for p in pp),
+                      "not_lossless": [p["sample_id"] for p in pp if p["lossless"] is False]}
+    pooled = {k: info.get("counters", {}).get(f"spec_decode_num_{k}") for k in ("drafts", "accepted_tokens")}
+    check = None
+    if ev.engine:
+        check = {"per_request_steps": sum(p["engine_steps"] or 0 for p in per_prompt),
+                 "per_request_accepted": sum(p["engine_accepted"] or 0 for p in per_prompt),
+                 "counters_drafts": pooled["drafts"], "counters_accepted": pooled["accepted_tokens"]}
+        check["agree"] = (check["per_request_steps"] == check["counters_drafts"]
+                          and check["per_request_accepted"] == check["counters_accepted"])
+    result = {"variant": variant, "about": VARIANTS[variant], "draft_dir": str(tr.draft_dir),
+              "train_tokens": tr.train_tokens, "train_samples": len(rows), "steps": tr.steps, "seconds": tr.seconds,
+              "tokens_per_s": round(tr.train_tokens / tr.seconds, 1) if tr.seconds else None,
+              "final_loss": tr.log[-1]["loss"] if tr.log else None, "offline_s": round(offline_s, 1),
+              "engine": info, "counters_check": check, "lossless": lossless_all if ev.engine else None,
+              "per_dataset": per_ds, "fingerprint": fp}
+    write_atomic(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in per_prompt).encode())
+    write_atomic(done, json.dumps(result, indent=1).encode())
+    return result
+
+
+def run_value(params: RunParams, *, say: Callable[[str], None] = print, plan: ValuePlan | None = None) -> dict[str, Any]:
+    """The whole stage: plan, references, states, every variant; writes value/summary.json and returns it."""
+
+    plan = plan or plan_value(params)
+    vdir = plan.run_dir / "value"
+    vdir.mkdir(parents=True, exist_ok=True)
+    write_atomic(_eval_rows_path(plan.run_dir), "".join(json.dumps(e.row()) + "\n" for e in plan.evals).encode())
+    t0 = time.monotonic()
+    refs = reference_continuations(params, plan, say)
+    seqs = [EvalSeq(e.dataset, e.sample_id, len(e.prompt_ids), e.prompt_ids + r) for e, r in zip(plan.evals, refs)]
+    model = load_extract_model(params)
+    layers = layer_plan(params, load_config(params))
+    if list(layers.hf_indices) != plan.layer_ids:
+        raise ValueStageError(f"{plan.run_dir / 'hidden' / 'index.json'}: the store's layers {plan.layer_ids} are not "
+                          f"the profile's plan {list(layers.hf_indices)} for this model")
+    say(f"target states over {len(seqs)} evaluation sequences")
+    target_states(model, layers, seqs)
+    del model
+    results = [run_variant(params, plan, v, seqs, say) for v in plan.variants]
+    ev = params.value.eval
+    counts: dict[str, int] = {}
+    for e in plan.evals:
+        counts[e.dataset] = counts.get(e.dataset, 0) + 1
+    summary = {"target": str(plan.model_dir), "run": str(plan.run_dir), "handoff": str(plan.handoff),
+               "layer_ids": plan.layer_ids,
+               "eval": {"max_new_tokens": ev.max_new_tokens, "num_speculative_tokens": ev.num_speculative_tokens,
+                        "dtype": ev.server.dtype or params.model.dtype, "prompts": counts, "engine": ev.engine},
+               "held_out": plan.held_out,
+               "variants": [{k: r[k] for k in ("variant", "draft_dir", "train_tokens", "train_samples", "steps",
+                                               "seconds", "tokens_per_s", "final_loss", "lossless", "per_dataset",
+                                               "counters_check")} for r in results],
+               "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}
+    write_atomic(vdir / "summary.json", json.dumps(summary, indent=1).encode())
+    write_provenance(plan.run_dir, "06_value", params)
+    bad = [(r["variant"], ds, v["not_lossless"]) for r in results for ds, v in r["per_dataset"].items()
+           if v.get("not_lossless")]
+    if bad:
+        v, ds, ids = bad[0]
+        raise ValueStageError(f"{vdir / v / 'per_prompt.jsonl'}: speculative ids differ from greedy ids for {len(ids)} "
+                          f"{ds} prompt(s) (first {ids[0]}): speculation must be lossless; a fault in the draft, its "
+                          "config or its vocabulary map")
+    return summary
+
+
+def value_cli(run: str, variants: list[str] | None = None) -> int:
+    """`python -m eagle3data value RUN`: the params recorded in the run, 06 on them; exit 3 when stopped (resumable)."""
+
+    params = params_of_run(Path(run))
+    if variants:
+        params = params.model_copy(update={"value": params.value.model_copy(update={"variants": variants})})
+    try:
+        summary = run_value(params, say=lambda s: print(s, flush=True))
+    except TrainingStopped as e:
+        print(f"stopped: {e}. Resume: python -m eagle3data value {run}", flush=True)
+        return 3
+    print(summary_lines(summary))
+    return 0
+
+
+def summary_lines(summary: dict[str, Any]) -> str:
+    lines = []
+    for v in summary["variants"]:
+        for ds, f in v["per_dataset"].items():
+            lines.append(f"{v['variant']:>6} {ds:<20} τ engine {f['tau_engine']} {f['tau_engine_ci95']}  "
+                         f"offline {f['tau_offline']} {f['tau_offline_ci95']}  per position {f['per_position']}  "
+                         f"lossless {f['lossless']}")
+    return "\n".join(lines)

