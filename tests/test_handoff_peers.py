@@ -41,6 +41,7 @@ from eagle3data.hidden.mix import read_mix
 from eagle3data.core.params import load_params
 from eagle3data.trainers import specforge as SF
 from eagle3data.trainers.registry import TRAINERS
+from eagle3data.value.train import layer_ids_of_store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -554,7 +555,8 @@ def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_
     d2t, t2d = (torch.from_numpy(np.load(out / f"{x}-64.npy")) for x in ("d2t", "t2d"))
     draft = Eagle3DraftModel.from_training_args(
         vc, t2d=t2d, d2t=d2t, verifier_name_or_path=mdir, draft_vocab_size=64, norm_before_residual=False,
-        ttt_steps=2, draft_attn_impl="sdpa", target_layer_ids=[1, 14, 26])  # loads verifier norm + lm_head itself
+        ttt_steps=2, draft_attn_impl="sdpa",
+        target_layer_ids=layer_ids_of_store(p.run_dir / "hidden"))  # the store's own plan (HF indices [2, 15, 27]); loads verifier norm + lm_head itself
     ds = _speculators_dataset(out, exp["speculators"])
     i = int(np.argmin(ds.approx_lengths))
     batch = CollateFn(max_len=int(ds.approx_lengths[i]), hidden_size=vc.hidden_size, dtype=torch.float32)([ds[i]])
