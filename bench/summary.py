@@ -102,6 +102,12 @@ SPEC: list[Figure] = [
     Figure("hidden.vllm_client_cpu", "04 through vLLM: the client's CPU-seconds per second of capture (`bench_hidden_vllm.py`)",
            "hidden_vllm.json", "vllm_client_cpu_over_capture", "the capture's wall time", None, better="lower",
            value="vllm_client_cpu_ms_per_sample", value_unit="ms CPU per sample", load="load_average_1_5_15.0"),
+    Figure("value.train", "06 draft training, tokens/s: our loop around speculators' Eagle3 model (`bench_value.py`)",
+           "value.json", "train_vs_model_alone", "speculators' model forward+backward alone on the same packed batches",
+           0.9, rounds="train_vs_model_alone_per_round", load="load_average_1_5_15.0"),
+    Figure("value.engine", "06 engine evaluation: time per prompt with the draft (k=3) (`bench_value.py`)",
+           "value.json", "spec_vs_plain_time_per_prompt", "plain greedy serving of the same prompts", None,
+           better="lower", value="spec_s_per_prompt", value_unit="s per prompt", load="load_average_1_5_15.0"),
     _verify_speed("verify.speed", "04 verify-hidden without recompute, head on CPU, default positions (`bench_verify.py`)"),
     _verify_speed("verify.speed_long", "04 verify-hidden without recompute on longer samples (the embedded prompts at "
                   "2048 new tokens, 3.2x the tokens; `bench_verify.py`)", "long_store."),
