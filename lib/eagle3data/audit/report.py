@@ -50,8 +50,43 @@ def render_report(run_dir: str | Path) -> Path:
     section = verification_html(_verify_summary(run_dir))
     if section:  # 04's verification (verify-hidden's summary), after the audit
         text = text.replace("</body>", f'<div class="e3-verify" style="margin:1em 2em">{section}</div></body>', 1)
+    value = value_html(run_dir)
+    if value:  # 06: the drafter's acceptance length, when the stage ran
+        text = text.replace("</body>", f'<div class="e3-value" style="margin:1em 2em">{value}</div></body>', 1)
     out.write_text(text, encoding="utf-8")
     return out
+
+
+def value_html(run_dir: Path) -> str:
+    """The report's section on stage 06 (`value/summary.json` and the figures it saved): τ per variant and
+    evaluation set with intervals, the per-position acceptance curve and the training loss curve."""
+    import base64
+    import html
+    import json
+
+    path = Path(run_dir) / "value" / "summary.json"
+    if not path.exists():
+        return ""
+    s = json.loads(path.read_text(encoding="utf-8"))
+    k = s["eval"]["num_speculative_tokens"]
+    rows = []
+    for v in s["variants"]:
+        for ds, f in v["per_dataset"].items():
+            ci = f.get("tau_engine_ci95") or ["", ""]
+            co = f.get("tau_offline_ci95") or ["", ""]
+            pos = " / ".join(f"{x:.0%}" for x in f.get("per_position") or [] if x is not None)
+            rows.append(f"<tr><td>{html.escape(v['variant'])}</td><td>{html.escape(ds)}</td><td>{f['prompts']}</td>"
+                        f"<td><b>{f['tau_engine']}</b> ({ci[0]}–{ci[1]})</td><td>{f['tau_offline']} ({co[0]}–{co[1]})"
+                        f"</td><td>{pos}</td><td>{f['lossless']}</td></tr>")
+    imgs = "".join(f'<img style="max-width:48%" alt="{n}" src="data:image/png;base64,'
+                   f'{base64.b64encode((path.parent / n).read_bytes()).decode()}">'
+                   for n in ("tau_positions.png", "train_loss.png") if (path.parent / n).exists())
+    return (f"<h2>06 · What the data is worth</h2><p>A draft trained on this run's hand-off; acceptance length τ "
+            f"(tokens per verification step, the bonus token included) with k = {k} drafts, greedy, 95% intervals "
+            "over prompts. Engine: vLLM's speculative decoding (lossless: its ids equal plain greedy ids). Offline: "
+            "every output position as an anchor, from the target's own states.</p>"
+            "<table><tr><th>variant</th><th>evaluation set</th><th>prompts</th><th>τ engine (95%)</th>"
+            f"<th>τ offline (95%)</th><th>per position</th><th>lossless</th></tr>{''.join(rows)}</table>{imgs}")
 
 
 def _verify_summary(run_dir: Path) -> dict[str, Any] | None:

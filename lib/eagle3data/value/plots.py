@@ -25,7 +25,7 @@ def tau_table(summary: dict[str, Any]) -> Any:
 def position_figure(summary: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     for v in summary["variants"]:
         for ds, f in v["per_dataset"].items():
             ks = range(1, len(f["per_position"]) + 1)
@@ -36,7 +36,7 @@ def position_figure(summary: dict[str, Any]) -> Any:
     ax.set_ylabel("P(first k drafts accepted)")
     ax.set_ylim(0, 1)
     ax.set_xticks(list(ks))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title("Acceptance by draft position")
     fig.tight_layout()
     return fig

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from eagle3data.audit.report import render_report
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import EMBEDDED_PREFIX, resolve_model_path, tokenizer_for
 from eagle3data.core.params import RunParams
@@ -30,6 +31,7 @@ from eagle3data.hidden.capture import layer_plan, load_config, load_extract_mode
 from eagle3data.value.engine import serve
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
+from eagle3data.value.plots import loss_figure, position_figure
 from eagle3data.value.train import (TrainConfig, TrainingStopped, TrainResult, ValueStageError, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft)
 
@@ -289,6 +291,7 @@ def run_value(params: RunParams, *, say: Callable[[str], None] = print, plan: Va
                "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}
     write_atomic(vdir / "summary.json", json.dumps(summary, indent=1).encode())
     write_provenance(plan.run_dir, "06_value", params)
+    _save_figures(plan.run_dir, summary)
     bad = [(r["variant"], ds, v["not_lossless"]) for r in results for ds, v in r["per_dataset"].items()
            if v.get("not_lossless")]
     if bad:
@@ -297,6 +300,20 @@ def run_value(params: RunParams, *, say: Callable[[str], None] = print, plan: Va
                           f"{ds} prompt(s) (first {ids[0]}): speculation must be lossless; a fault in the draft, its "
                           "config or its vocabulary map")
     return summary
+
+
+def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
+    """The curves as PNG beside the summary, and the run's report.html re-rendered with 06's section."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, fig in (("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))):
+        fig.savefig(run_dir / "value" / name, dpi=90)
+        plt.close(fig)
+    if (run_dir / "notebooks" / "03_audit.ipynb").exists():
+        render_report(run_dir)
 
 
 def value_cli(run: str, variants: list[str] | None = None) -> int:
