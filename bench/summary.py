@@ -62,7 +62,9 @@ def _verify_speed(name: str, what: str, at: str = "", cold: bool = False) -> Fig
     verify.json, "" for the embedded one), with the page cache warm or, `cold`, read from storage."""
     at += "from_storage." if cold else ""
     base = "plain `HiddenReader` read of the same store" + (" from storage" if cold else ", states to float32")
-    return Figure(name, what, "verify.json", f"{at}speed_vs_plain_read", base, 0.5,
+    # the goal is read from storage (a multi-terabyte store is never in the page cache, reference.md §11); a warm
+    # page cache's ratio is a figure beside it, not a goal
+    return Figure(name, what, "verify.json", f"{at}speed_vs_plain_read", base, 0.5 if cold else None,
                   rounds=f"{at}speed_vs_plain_read_per_round", load="load_average_at_start.0")
 
 
