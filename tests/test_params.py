@@ -44,3 +44,20 @@ def test_verify_positions_below_the_floors_are_refused():
             load_params(ci, {"hidden.verify_positions": k})
     unverified = load_params(ci, {"hidden.verify_positions": 8, "hidden.verify_after": False})
     assert unverified.hidden.verify_positions == 8  # no verification of its own to judge at it
+
+
+# targets no single GPU holds: 04 through a transformers forward would load ~1T parameters in one process
+LARGER_THAN_ONE_GPU = {"kimi-k2.5"}
+
+
+def test_every_params_file_for_a_target_larger_than_one_gpu_extracts_through_an_engine():
+    files = sorted((REPO / "params").glob("*.yaml"))
+    big = []
+    for f in files:
+        p = load_params(f)
+        if p.profile in LARGER_THAN_ONE_GPU:
+            big.append(f.name)
+            assert p.hidden.backend != "hf", f"{f.name}: hidden.backend hf for {p.profile}: 04 needs a serving engine"
+            v = p.hidden.vllm
+            assert v is not None and v.server.tensor_parallel_size > 1, f"{f.name}: no multi-GPU engine settings"
+    assert {"kimi_sglang.yaml", "kimi_openrouter.yaml", "kimi_vllm.yaml"} <= set(big)
