@@ -5,9 +5,11 @@ on PyPI (its kernels need AVX-512/AMX and a source build), and with `SGLANG_USE_
 SGLang 0.5.23 imports the CPU op names below when its modules load, whichever attention backend
 is chosen. On the torch-native path eagle3data's tests run (`--attention-backend torch_native
 --sampling-backend pytorch`, radix cache off, no speculative decoding) none of them is called, and
-this package exists only so that those imports succeed. Every function raises `StandInCalled` if it
-is called, after one line on stderr (`STANDIN_CALLED <name>`) that the tests look for in the server
-log: a call would mean that SGLang took a path whose results this package cannot give.
+this package exists only so that those imports succeed. Importing it prints one line on stderr
+(`STANDIN_LOADED ...`: the server log shows the stand-in was armed in that process); every function
+raises `StandInCalled` if it is called, after one line on stderr (`STANDIN_CALLED <name>`) that the
+tests look for in the server log: a call would mean that SGLang took a path whose results this
+package cannot give.
 
 No `torch.ops.sgl_kernel` op is registered, so SGLang's Intel AMX backend (which probes for
 `torch.ops.sgl_kernel.convert_weight_packed`) stays off even on a CPU with AMX.
@@ -21,6 +23,7 @@ import sys
 __version__ = "0.0.0+eagle3data.standin"
 STANDIN = True  # what a test checks: this is the stand-in, not SGLang's library
 STANDIN_CALLED = "STANDIN_CALLED"  # the stderr marker of a call
+STANDIN_LOADED = "STANDIN_LOADED"  # the stderr marker of an import
 
 # The names SGLang 0.5.23 imports from `sgl_kernel` at load with SGLANG_USE_CPU_ENGINE=1.
 NAMES = (
@@ -54,4 +57,7 @@ for _name in NAMES:
     globals()[_name] = _standin(_name)
 del _name
 
-__all__ = [*NAMES, "StandInCalled", "STANDIN", "STANDIN_CALLED", "NAMES"]
+print(f"{STANDIN_LOADED} sgl_kernel stand-in of eagle3data's test engine (no kernels; every function raises if "
+      "called)", file=sys.stderr, flush=True)
+
+__all__ = [*NAMES, "StandInCalled", "STANDIN", "STANDIN_CALLED", "STANDIN_LOADED", "NAMES"]
