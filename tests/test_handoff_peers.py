@@ -99,7 +99,7 @@ def _next_token_hits(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
 
 
 @pytest.mark.parametrize("store", ["specforge", "int8", "fp8"])
-def test_specforge_reads_our_features_with_its_own_loader(stores, model, store):
+def test_specforge_reads_our_features_with_its_own_loader(stores, model, store, monkeypatch):
     from specforge.config.schema import load_config
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
@@ -136,8 +136,9 @@ def test_specforge_reads_our_features_with_its_own_loader(stores, model, store):
         twice += _next_token_hits(again, item["input_ids"][0], mask)[0]
     assert total > 50 and hits / total >= MIN_TOP1[store], (hits, total)
     assert twice < hits, (twice, hits)
-    cfg = load_config(str(out / "specforge.yaml"))
-    assert cfg.mode == "offline" and Path(cfg.data.hidden_states_path) == (out / "features").resolve()
+    monkeypatch.chdir(out)  # where `specforge train -c specforge.yaml` runs: its paths are relative to the folder
+    cfg = load_config("specforge.yaml")
+    assert cfg.mode == "offline" and Path(cfg.data.hidden_states_path).resolve() == (out / "features").resolve()
     vm = torch.load(cfg.model.vocab_mapping_path, weights_only=True)
     assert vm["d2t"].dtype == torch.int64 and vm["t2d"].dtype == torch.bool and len(vm["d2t"]) == 64
     assert int(vm["t2d"].sum()) == 64 and torch.equal(torch.arange(64) + vm["d2t"], vm["t2d"].nonzero()[:, 0])
@@ -345,15 +346,17 @@ def _trainable(m):
     return {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
 
 
-def _specforge_run(out: Path, *overrides: str):
-    """The exported specforge.yaml as `specforge train -c specforge.yaml OVERRIDES` resolves it (schema, algorithm)."""
+def _specforge_run(out: Path, monkeypatch, *overrides: str):
+    """The exported specforge.yaml as `cd OUT && specforge train -c specforge.yaml OVERRIDES` resolves it (schema,
+    algorithm): the working directory stays the export folder, whose relative paths the config names."""
     from specforge.application.composition import resolve_run
     from specforge.config.schema import load_config
 
-    return resolve_run(load_config(str(out / "specforge.yaml"), list(overrides)))
+    monkeypatch.chdir(out)
+    return resolve_run(load_config("specforge.yaml", list(overrides)))
 
 
-def test_specforge_loads_the_tied_target_head_itself(stores, model):
+def test_specforge_loads_the_tied_target_head_itself(stores, model, monkeypatch):
     """The head as `specforge train` builds it (`build_eagle3_model`: `TargetHead.from_pretrained(target_model_path,
     lm_head_key=...)`), from the exported config alone: SmolLM2 ties its head to the embeddings and ships one
     model.safetensors, so SpecForge needs an index and the embedding's key, which the export gives it."""
@@ -364,7 +367,7 @@ def test_specforge_loads_the_tied_target_head_itself(stores, model):
 
     p, res, mix, exp = stores["specforge"]
     out = p.run_dir / "export" / "specforge"
-    cfg = _specforge_run(out).config
+    cfg = _specforge_run(out, monkeypatch).config
     m = cfg.model
     head = TargetHead.from_pretrained(m.target_model_path, lm_head_key=m.lm_head_key, cache_dir=m.cache_dir,
                                       trust_remote_code=m.trust_remote_code)
@@ -373,9 +376,10 @@ def test_specforge_loads_the_tied_target_head_itself(stores, model):
     assert head.fc.weight.dtype == torch.bfloat16 and torch.equal(head.fc.weight, emb.detach().bfloat16())
     # the model folder is not written: SpecForge reads it through the export's target/ (links + the index)
     mdir = resolve_model_path(p.model.path)
-    assert not list(mdir.glob("*.index.json")) and Path(m.target_model_path) == (out / "target").resolve()
+    assert not list(mdir.glob("*.index.json")) and m.target_model_path == "target"
+    assert os.readlink(out / "model") == str(mdir.resolve())  # the one link to the model's folder
     for f in mdir.iterdir():
-        assert os.path.samefile(out / "target" / f.name, f)
+        assert os.path.samefile(out / "target" / f.name, f) and os.readlink(out / "target" / f.name) == f"../model/{f.name}"
     index = (out / "target" / "model.safetensors.index.json").stat().st_size
     assert _bytes(out, "target/") == index < 100_000  # the links count nothing: no weight bytes copied
     disk = HO.disk_table(res.hidden_dir, {"specforge": out}).set_index("folder")
@@ -436,13 +440,16 @@ def test_specforge_loads_head_and_embedding_of_each_checkpoint_layout(tmp_path, 
     mdir = tmp_path / "model"
     w = _tiny_checkpoint(mdir, layout)
     before = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in mdir.iterdir()}
-    view = tmp_path / "out" / "target"
+    out = tmp_path / "out"
+    view = out / "target"
     view.mkdir(parents=True)  # an earlier export's folder: replaced, or removed when not needed
     (view / "stale").write_text("x")
-    t = SF.specforge_target(mdir, view)
+    t = SF.specforge_target(mdir, out)
     assert {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in mdir.iterdir()} == before  # not written
     assert t["view"] == (layout != "sharded_tied") and view.exists() == t["view"]
-    assert Path(t["target_model_path"]) == (view if t["view"] else mdir).resolve()
+    assert t["target_model_path"] == ("target" if t["view"] else "model")  # relative to the export folder
+    assert (out / t["target_model_path"]).resolve() == (view if t["view"] else mdir).resolve()
+    t["target_model_path"] = str(out / t["target_model_path"])
     assert t["lm_head_key"] == ("lm_head.weight" if layout == "single_untied" else "model.embed_tokens.weight")
     assert t["embedding_key"] == "model.embed_tokens.weight" and t["tied"] == (layout != "single_untied")
     head = TargetHead.from_pretrained(t["target_model_path"], lm_head_key=t["lm_head_key"])
@@ -460,7 +467,7 @@ def test_a_checkpoint_without_head_that_does_not_tie_stops_the_specforge_config(
     cfg = json.loads((mdir / "config.json").read_text())
     (mdir / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
     with pytest.raises(HO.HandoffError, match="no lm_head.weight and config.json says tie_word_embeddings false"):
-        SF.specforge_target(mdir, tmp_path / "target")
+        SF.specforge_target(mdir, tmp_path / "out")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -502,7 +509,7 @@ def test_one_cpu_training_step_of_specforge_eagle3_on_our_features(stores, model
     _import_specforge_eagle3(monkeypatch)
     p, res, mix, exp = stores[store]
     out = p.run_dir / "export" / "specforge"
-    run = _specforge_run(out, "training.attention_backend=sdpa")
+    run = _specforge_run(out, monkeypatch, "training.attention_backend=sdpa")
     cfg = run.config
     bundle = build_model_bundle(cfg, algorithm=run.algorithm)
     draft, emb = bundle.draft_model, model.model.embed_tokens.weight.detach()
@@ -570,3 +577,79 @@ def test_one_cpu_training_step_of_speculators_eagle3_on_our_dataset(stores, cpu_
     assert torch.isfinite(loss) and loss > 0
     after = _trainable(draft)
     assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before) > 0
+
+
+def test_a_moved_export_still_trains(stores, model, monkeypatch, tmp_path):
+    """Issue 43/44: a run exported in one folder, copied to another (another node: links kept, hardlinks become
+    copies), the source deleted and the model found at another path: SpecForge's own config resolution (`load_config`,
+    `resolve_run` as `specforge train` calls them, from the export folder as docs/05 says), its loaders, its target
+    head and its run assembly, and speculators' `ArrowDataset` and vocabulary discovery read every row, equal to the
+    store's; nothing in either folder points at the old place."""
+    from specforge.config.schema import load_config
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+    from specforge.training.assembly import build_model_bundle
+    from speculators.train.cli import parse_vocab_mappings
+
+    from eagle3data.core.models import resolve_model_path
+
+    p0, res0, mix, _ = stores["specforge"]
+    site1, site2 = tmp_path / "node1", tmp_path / "node2"
+    shutil.copytree(p0.run_dir, site1 / "ci", symlinks=True)  # the finished run, exported where it is
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(site1), "hidden.layout": "specforge",
+                                                   "export.draft_vocab_size": 64})
+    for fmt in HO.FORMATS:
+        HO.write_handoff(p, mix.samples, p.run_dir / "export" / fmt, fmt)
+    shutil.copytree(site1 / "ci", site2 / "ci", symlinks=True)
+    shutil.rmtree(site1)
+    # the model on the other node: another folder (the same files), set in the one place
+    mdir = resolve_model_path(p.model.path)
+    other = tmp_path / "models" / "smollm2"
+    other.mkdir(parents=True)
+    for f in mdir.iterdir():
+        os.symlink(f, other / f.name)
+    out = site2 / "ci" / "export" / "specforge"
+    os.remove(out / "model")
+    os.symlink(other, out / "model")
+    for root in (out, site2 / "ci" / "export" / "speculators"):
+        for f in root.rglob("*"):
+            assert not f.is_symlink() or str(site1) not in os.path.realpath(f), f
+        for f in (root / "specforge.yaml", root / "dataset_info.json", root / "state.json"):
+            assert not f.exists() or str(site1) not in f.read_text(), f
+    assert "/" not in (out / "specforge.yaml").read_text().split("hidden_states_path:")[1].splitlines()[0]
+    rd = HiddenReader(res0.hidden_dir)
+    at = {x: i for i, x in enumerate(rd.states)}
+
+    # SpecForge, as `cd export/specforge && specforge train -c specforge.yaml` resolves and assembles it
+    _import_specforge_eagle3(monkeypatch)
+    monkeypatch.chdir(out)
+    from specforge.application.composition import resolve_run
+
+    run = resolve_run(load_config("specforge.yaml", ["training.attention_backend=sdpa"]))
+    cfg = run.config
+    ds = specforge_pre.build_offline_eagle3_dataset(cfg.data.hidden_states_path, max_len=cfg.data.max_length)
+    refs = OfflineManifestReader(cfg.data.hidden_states_path, validate_files=True).read()
+    assert len(ds) == len(refs) == len(mix.samples)
+    for i, s in enumerate(mix.samples):
+        item = ds[i]
+        ours = rd.sample(str(s.key))["hidden_states"]
+        assert item["input_ids"][0].tolist() == s.input_ids
+        assert torch.equal(item["target"][0], ours[:, at["post_norm"]])
+    head = TargetHead.from_pretrained(cfg.model.target_model_path, lm_head_key=cfg.model.lm_head_key)
+    assert torch.equal(head.fc.weight, model.model.embed_tokens.weight.detach().bfloat16())
+    bundle = build_model_bundle(cfg, algorithm=run.algorithm)  # draft config, vocab mapping, embedding, head
+    assert bundle.draft_vocab_size == 64 and torch.equal(bundle.target_head.fc.weight, head.fc.weight)
+
+    # speculators: its folder names no path; the data folder and the model go on its command line
+    sp = site2 / "ci" / "export" / "speculators"
+    monkeypatch.chdir(tmp_path)
+    dsp = _speculators_dataset(sp, {})
+    assert len(dsp) == len(mix.samples)
+    for i, s in enumerate(mix.samples):
+        item = dsp[i]
+        ours = rd.sample(str(s.key))["hidden_states"]
+        assert item["input_ids"].tolist() == s.input_ids
+        assert torch.equal(item["verifier_last_hidden_states"], ours[:, at["pre_norm"]])
+    args = argparse.Namespace(d2t_path=None, t2d_path=None, data_path=str(sp), draft_vocab_size=64,
+                              token_freq_path=None)
+    assert parse_vocab_mappings(args)[2] == 64

@@ -12,6 +12,13 @@ description. Beside the features: `vocab_mapping.pt` `{d2t int64, t2d bool}` for
 SpecForge loads itself (`specforge_target`: the model folder, or `target/` beside it when the
 folder has no weight index; the head's key, the embedding's when the model ties them), and
 `draft_config.json` when the draft vocabulary is not SpecForge's generated 32000.
+
+The folder is self-contained: every path in `specforge.yaml` is relative to it, and SpecForge
+resolves relative paths from the working directory (its `load_config` takes them as written), so
+it trains from there (`cd export/specforge && specforge train -c specforge.yaml`) wherever the
+folder was copied. The target model is the one link `model` (its folder on the exporting machine;
+`target/`'s links go through it): on another machine `ln -sfn /path/to/model model` is all there
+is to set.
 """
 
 from __future__ import annotations
@@ -30,6 +37,14 @@ FEATURES = "features"  # the per-sample files, under the hand-off folder
 VOCAB_FILE = "vocab_mapping.pt"
 CONFIG_FILE = "specforge.yaml"
 TARGET_DIR = "target"  # the model folder as SpecForge reads it, when the folder itself has no weight index
+MODEL_LINK = "model"  # the one link to the target model's folder: what a user re-points on another machine
+CONFIG_HEADER = """\
+# SpecForge 0.2.0 config written by `eagle3data export`. Every path is relative to this folder
+# (SpecForge resolves relative paths from the working directory): train from here,
+#   cd path/to/this/folder && specforge train -c specforge.yaml [dotted.overrides=...]
+# The target model is the link `model` ({model}); on another machine point it at the
+# model's folder there, the one path to set:  ln -sfn /path/to/model model
+"""
 DRAFT_CONFIG = "draft_config.json"
 DRAFT_VOCAB = 32000  # draft_vocab_size of the EAGLE-3 draft config SpecForge 0.2.0 generates
 HEAD_KEY, EMBED_KEY = "lm_head.weight", "model.embed_tokens.weight"  # SpecForge's defaults for both keys
@@ -103,10 +118,14 @@ class SpecForge(Trainer):
                                   "post-norm, aux_hidden_state [1,n,3H]: data.hidden_states_path")}
         target = _write_config(params, model_dir(), out, max(len(s.input_ids) for s in samples) if samples else 1,
                                int(len(d2t)))
-        files[CONFIG_FILE] = "a config for `specforge train -c specforge.yaml` (edit training settings)"
+        files[CONFIG_FILE] = ("a config for `specforge train -c specforge.yaml`, run from this folder: its paths are "
+                              "relative (edit training settings)")
+        if target.get("link"):
+            files[MODEL_LINK] = "a link to the target model's folder: the one path to set on another machine"
         if target.get("view"):
-            files[TARGET_DIR + "/"] = (f"links to the target's files plus {target['index']} (SpecForge's "
-                                       "TargetHead reads weights only through an index): model.target_model_path")
+            files[TARGET_DIR + "/"] = (f"links (through `model`) to the target's files plus {target['index']} "
+                                       "(SpecForge's TargetHead reads weights only through an index): "
+                                       "model.target_model_path")
         if target.get("draft_config"):
             files[DRAFT_CONFIG] = (f"EAGLE-3 draft config, draft_vocab_size {len(d2t)} (SpecForge generates "
                                    f"{DRAFT_VOCAB}): model.draft_model_config")
@@ -140,15 +159,16 @@ def _write_config(params: Any, model_dir: Path | None, out: Path, longest: int,
             "note": "the model folder is not on this machine: SpecForge's defaults kept, unchecked (the folder needs "
                     "a *.index.json naming lm_head_key; a tied model needs lm_head_key model.embed_tokens.weight)"}
         _clear(out / TARGET_DIR)
+        _clear(out / MODEL_LINK)
     else:
-        target = specforge_target(model_dir, out / TARGET_DIR)
+        target = specforge_target(model_dir, out)
     draft = out / DRAFT_CONFIG
     target["draft_config"] = None
     draft.unlink(missing_ok=True)
     if draft_vocab_size != DRAFT_VOCAB and model_dir is not None:
         payload = specforge_draft_config(model_dir, draft_vocab_size, trust_remote_code=trust)
         draft.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
-        target["draft_config"] = str(draft.resolve())
+        target["draft_config"] = DRAFT_CONFIG
     elif draft_vocab_size != DRAFT_VOCAB:
         target["note"] += (f"; no draft config written: SpecForge generates draft_vocab_size {DRAFT_VOCAB}, "
                            f"this vocabulary has {draft_vocab_size} (set model.draft_model_config)")
@@ -156,14 +176,17 @@ def _write_config(params: Any, model_dir: Path | None, out: Path, longest: int,
     if target["draft_config"]:
         model["draft_model_config"] = target["draft_config"]
     model.update({"embedding_key": target["embedding_key"], "lm_head_key": target["lm_head_key"],
-                  "vocab_mapping_path": str((out / VOCAB_FILE).resolve()), "trust_remote_code": trust})
-    cfg = {
+                  "vocab_mapping_path": VOCAB_FILE, "trust_remote_code": trust})
+    cfg = {  # relative to this folder, where `specforge train` runs (module docstring)
         "model": model,
-        "data": {"hidden_states_path": str((out / FEATURES).resolve()), "max_length": int(longest)},
+        "data": {"hidden_states_path": FEATURES, "max_length": int(longest)},
         "training": {"strategy": "eagle3"},
-        "output_dir": str((out / "train_output").resolve()),
+        "output_dir": "train_output",
     }
-    (out / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    header = CONFIG_HEADER.format(model=f"exported with {model_dir}" if model_dir is not None else
+                                  f"not made: the model was not on the exporting machine, so model.target_model_path is "
+                                  f"{params.model.path}")
+    (out / CONFIG_FILE).write_text(header + yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
     return target
 
 
@@ -196,8 +219,9 @@ def _pick(names: Iterable[str], default: str, suffix: str) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def specforge_target(model_dir: str | Path, view_dir: str | Path) -> dict[str, Any]:
-    """The folder `model.target_model_path` names and the head/embedding keys, as SpecForge 0.2.0 loads them.
+def specforge_target(model_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """The folder `model.target_model_path` names (relative to the hand-off folder `out_dir`) and the head/embedding
+    keys, as SpecForge 0.2.0 loads them.
 
     SpecForge's offline EAGLE-3 builds `TargetHead.from_pretrained(target_model_path,
     lm_head_key=...)`, which reads the head only through the folder's one `*.index.json`
@@ -206,15 +230,22 @@ def specforge_target(model_dir: str | Path, view_dir: str | Path) -> dict[str, A
     path also gives SpecForge the target config (`AutoConfig`: hidden and vocabulary sizes, the
     generated draft config), the tokenizer when it needs one, the draft's frozen embedding
     (`load_embedding(path, embedding_key)`) and its resume provenance, so it must stay the
-    whole model folder. With exactly one index, that folder is used as it is. Otherwise
-    (none, or several, which SpecForge refuses) `view_dir` becomes that folder without being a
-    copy: a symlink to every entry of the model folder except its indexes, plus one index whose
-    weight map names every tensor of the checkpoint. The model folder itself is never written
+    whole model folder, reached through the one link `out_dir/model` (MODEL_LINK: the path a user
+    re-points on another machine). With exactly one index, `model` is used as it is. Otherwise
+    (none, or several, which SpecForge refuses) `out_dir/target` becomes that folder without being
+    a copy: a relative symlink `../model/<entry>` to every entry of the model folder except its
+    indexes, plus one index whose weight map names every tensor of the checkpoint. The model folder itself is never written
     (a hub cache or a shared read-only folder). A model that ties its head to the embeddings
     stores no `lm_head.weight`: `lm_head_key` is then the embedding's key, the matrix the
     model multiplies by.
     """
-    model_dir, view_dir = Path(model_dir), Path(view_dir)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    view_dir, link = out_dir / TARGET_DIR, out_dir / MODEL_LINK
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp_link = link.with_name(link.name + ".tmp")
+    _clear(tmp_link)
+    os.symlink(os.path.abspath(model_dir), tmp_link)
+    os.replace(tmp_link, link)  # a link of an earlier export replaced in one step (a folder there is refused)
     indexes = sorted(model_dir.glob("*.index.json"))
     config_file = model_dir / "config.json"
     config = orjson.loads(config_file.read_bytes()) if config_file.exists() else {}
@@ -242,7 +273,7 @@ def specforge_target(model_dir: str | Path, view_dir: str | Path) -> dict[str, A
         tmp.mkdir(parents=True)
         for entry in sorted(model_dir.iterdir()):
             if not entry.name.endswith(".index.json"):
-                os.symlink(os.path.abspath(entry), tmp / entry.name)
+                os.symlink(f"../{MODEL_LINK}/{entry.name}", tmp / entry.name)  # through the one link
         (tmp / index_name).write_bytes(orjson.dumps({"metadata": {"written_by": "eagle3data handoff"},
                                                      "weight_map": weight_map}, option=orjson.OPT_INDENT_2))
         _clear(view_dir)
@@ -258,7 +289,7 @@ def specforge_target(model_dir: str | Path, view_dir: str | Path) -> dict[str, A
             raise HandoffError(f"{model_dir}: neither {HEAD_KEY} nor an embedding (*embed_tokens.weight) in the "
                                "checkpoint: SpecForge cannot load the target head")
         head = embed
-    return {"model_dir": str(model_dir), "target_model_path": str((view_dir if view else model_dir).resolve()),
+    return {"model_dir": str(model_dir), "target_model_path": TARGET_DIR if view else MODEL_LINK, "link": MODEL_LINK,
             "view": view, "index": index_name, "lm_head_key": head, "embedding_key": embed, "tied": tied,
             "tie_word_embeddings": tie}
 
