@@ -204,6 +204,8 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
             o.load_state_dict(s)
         for sc, s in zip(scheds, state["schedulers"]):
             sc.load_state_dict(s)
+            for g, lr in zip(sc.optimizer.param_groups, sc.get_lr()):  # this run's schedule at the saved step
+                g["lr"] = lr
         step, tokens, seconds = int(state["step"]), int(state["tokens"]), float(state["seconds"])
         torch.set_rng_state(state["rng"])
         say(f"resuming from {ckpt} at step {step:,} of {total:,}")

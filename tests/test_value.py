@@ -1,0 +1,235 @@
+"""Stage 06: the offline acceptance length by its definition (an oracle draft scores K+1, an always-wrong one 1,
+a brute-force chain over truncated inputs agrees with the batched TTT computation), the draft's layers from the
+store's own plan (a draft on other layers refused before serving), the leak guard, and a draft from a few
+training steps served by the real vLLM CPU server with speculative ids equal to plain greedy ids.
+
+The tiny hand-off is the ci run (SmolLM2 embedded, 4 samples) through 04 in speculators' layout and 05.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3data.core.params import VLLMServerParams, load_params
+from eagle3data.export import handoff as HO
+from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
+from eagle3data.hidden.extract import run_extract
+from eagle3data.hidden.mix import read_mix
+from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_problems, leak_problems
+from eagle3data.value.offline import EvalSeq, accepted_per_anchor, chain_correct, offline_tau, target_states
+from eagle3data.value.run import plan_value, ratio_ci
+from eagle3data.value.train import (TrainConfig, ValueStageError, build_draft, check_draft_layers,
+                                    layer_ids_of_store, load_draft, train_draft)
+
+REPO = Path(__file__).resolve().parents[1]
+K = 3
+
+
+@pytest.fixture(scope="module")
+def handoff(ci_run, tmp_path_factory):
+    """The ci run's records through 04 (speculators' layout) and 05's speculators hand-off (draft vocab 64)."""
+    root = tmp_path_factory.mktemp("value")
+    shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
+                                                  "hidden.layout": "speculators", "export.draft_vocab_size": 64})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RANK", raising=False)
+        mp.delenv("WORLD_SIZE", raising=False)
+        res = run_extract(p, progress=False)
+    assert res.merged and res.verification.ok
+    HO.write_handoff(p, read_mix(res.hidden_dir).samples, p.run_dir / "export" / "speculators", "speculators")
+    return p
+
+
+@pytest.fixture(scope="module")
+def trained(handoff, tmp_path_factory):
+    """A draft from a few training steps on the hand-off (speculators' model, our loop)."""
+    p = handoff
+    out = tmp_path_factory.mktemp("draft")
+    ids = layer_ids_of_store(p.run_dir / "hidden")
+    from eagle3data.value.run import _model_dir
+
+    res = train_draft(p.run_dir / "export" / "speculators", _model_dir(p), ids, out,
+                      TrainConfig(epochs=3, total_seq_len=512, checkpoint_every=2), list(range(4)), say=lambda s: None)
+    return p, res
+
+
+@pytest.fixture(scope="module")
+def seqs(handoff):
+    """The ci run's own sequences (prompt + greedy output) with the target's states, as 06 evaluates them."""
+    from eagle3data.core.reader import read_run
+
+    p = handoff
+    model = load_extract_model(p)
+    recs = [r for r in read_run(p.run_dir, rebuilt=False, verdicts=False).records() if r.get("output_ids")]
+    out = [EvalSeq(r["dataset"], str(r["sample_id"]), len(r["prompt_ids"]), r["prompt_ids"] + r["output_ids"])
+           for r in recs]
+    target_states(model, layer_plan(p, load_config(p)), out)
+    return out
+
+
+class _Scripted:
+    """A stand-in draft: step k's token at shifted position t, in draft ids, from a rule (identity vocabulary)."""
+
+    def __init__(self, seq: EvalSeq, rule):
+        self.seq, self.rule = seq, rule
+
+    def __call__(self, *, hidden_states, input_ids, document_ids, position_ids, ttt_steps):
+        n = input_ids.shape[1]
+        return [torch.tensor([[self.rule(t, k) for t in range(n)]]) for k in range(ttt_steps)]
+
+
+def _identity_d2t(vocab: int = 49152) -> torch.Tensor:
+    return torch.zeros(vocab, dtype=torch.long)
+
+
+def test_an_oracle_draft_scores_k_plus_one_and_an_always_wrong_one_scores_one(seqs):
+    s = seqs[0]
+    tn = s.target_next.tolist()
+    # the oracle: at anchor t (input x[t+1], state g[t]) step k proposes the target's argmax at t+1+k
+    oracle = _Scripted(s, lambda t, k: tn[t + 1 + k] if t + 1 + k < len(tn) else 0)
+    wrong = _Scripted(s, lambda t, k: (tn[t + 1 + k] + 1) % 49152 if t + 1 + k < len(tn) else 0)
+    o, w = offline_tau(oracle, s, K, _identity_d2t()), offline_tau(wrong, s, K, _identity_d2t())
+    assert o.anchors == w.anchors == len(s.input_ids) - s.prompt_len - K > 0  # anchors P-1 .. n-2-K
+    assert o.tau == K + 1 and w.tau == 1.0
+    # an oracle one position late (the off-by-one a layer or shift bug makes) is not an oracle
+    late = _Scripted(s, lambda t, k: tn[t + 2 + k] if t + 2 + k < len(tn) else 0)
+    assert offline_tau(late, s, K, _identity_d2t()).tau < 1.5
+
+
+def test_the_chain_stops_at_its_first_miss():
+    c = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    assert accepted_per_anchor(c) == [3, 1, 0, 2]
+
+
+def _brute_force(draft, s: EvalSeq, d2t) -> list[int]:
+    """Per anchor, the draft's own chain on inputs cut at the anchor: step k sees the tokens it proposed itself."""
+    ids = torch.as_tensor(s.input_ids)
+    hs = s.aux.float().flatten(1)
+    n, P = len(ids), s.prompt_len
+    tn = s.target_next
+    out = []
+    for t in range(P - 1, n - 1 - K):
+        own: list[int] = []
+        acc = 0
+        for k in range(K):
+            inp = torch.cat([ids[1:t + 2], torch.tensor(own, dtype=torch.long)])
+            hid = torch.cat([hs[:t + 1], torch.zeros(len(own), hs.shape[1])])
+            m = len(inp)
+            with torch.no_grad():
+                toks = draft(hidden_states=hid[None], input_ids=inp[None], document_ids=torch.zeros(1, m, dtype=torch.long),
+                             position_ids=torch.arange(1, m + 1)[None], ttt_steps=k + 1)
+            d = int(toks[k][0, t])
+            pred = d + int(d2t[d])
+            own.append(pred)
+            if pred != int(tn[t + 1 + k]):
+                break
+            acc += 1
+        out.append(acc)
+    return out
+
+
+def test_offline_tau_equals_a_brute_force_loop_over_anchors(trained, seqs):
+    _, res = trained
+    draft = load_draft(res.draft_dir)
+    s = min(seqs, key=lambda x: len(x.input_ids))
+    batched = offline_tau(draft, s, K, draft.d2t).accepted
+    assert batched == _brute_force(draft, s, draft.d2t)
+    assert len(batched) > 5
+
+
+def test_the_drafts_layers_are_the_stores_own_and_a_draft_on_other_layers_is_refused(trained, tmp_path):
+    p, res = trained
+    store = json.loads((p.run_dir / "hidden" / "index.json").read_text())["hf_indices"]
+    cfg = json.loads((res.draft_dir / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == store == [2, 15, 27]
+    bad = tmp_path / "draft"
+    shutil.copytree(res.draft_dir, bad)
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 14, 26]  # decoder-layer numbering: trains fine, serves wrong layers
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueStageError, match=r"eagle_aux_hidden_state_layer_ids: \[1, 14, 26\]"):
+        check_draft_layers(bad, store)
+
+
+def test_training_resumes_from_its_checkpoint_to_the_same_draft(handoff, trained, tmp_path):
+    p, res = trained
+    from eagle3data.value.run import _model_dir
+
+    ids = layer_ids_of_store(p.run_dir / "hidden")
+    cfg = TrainConfig(epochs=3, total_seq_len=512, checkpoint_every=2)
+    ho = p.run_dir / "export" / "speculators"
+    first = train_draft(ho, _model_dir(p), ids, tmp_path, TrainConfig(**{**cfg.__dict__, "max_steps": 2}),
+                        list(range(4)), say=lambda s: None)
+    assert first.steps == 2 and (tmp_path / "checkpoint.pt").exists()
+    full = train_draft(ho, _model_dir(p), ids, tmp_path, cfg, list(range(4)), say=lambda s: None)
+    assert full.steps == res.steps and [r["loss"] for r in full.log] == pytest.approx([r["loss"] for r in res.log],
+                                                                                      rel=1e-4)
+
+
+def test_held_out_prompts_that_leak_into_training_are_refused(handoff, monkeypatch):
+    p = handoff
+    from eagle3data.core.reader import read_run
+    import eagle3data.value.evalset as EV
+
+    recs = read_run(p.run_dir, rebuilt=False, verdicts=False).records()
+    text = next(m["content"] for m in recs[0]["messages"] if m["role"] == "user")
+    # a HumanEval problem whose text is a training record's prompt
+    monkeypatch.setattr(EV, "humaneval_problems", lambda limit=None: [{"task_id": "HumanEval/0", "prompt": text}])
+    pv = p.model_copy(update={"value": p.value.model_copy(update={"eval": p.value.eval.model_copy(
+        update={"humaneval": 1, "held_out_per_dataset": 0})})})
+    with pytest.raises(ValueStageError, match="holds the text of evaluation prompt humaneval/HumanEval/0"):
+        plan_value(pv)
+    # by key: a held-out conversation that is still a training row
+    held = held_out_prompts(recs, 1, 0)
+    keys = [f"{r['dataset']}/{r['sample_id']}" for r in recs]
+    assert any("is a training row" in x for x in leak_problems(held, keys, {}, "handoff.json"))
+    # the plan itself holds them out
+    pv = p.model_copy(update={"value": p.value.model_copy(update={"eval": p.value.eval.model_copy(
+        update={"humaneval": 0, "held_out_per_dataset": 1})})})
+    plan = plan_value(pv)
+    assert plan.excluded_rows == 2 and len(plan.train_rows) == 2
+    assert not {e.key for e in plan.evals} & {k.split("#")[0] for k in plan.train_keys}
+
+
+def test_humaneval_is_the_packages_164_problems():
+    probs = humaneval_problems()
+    assert len(probs) == 164 and probs[0]["task_id"] == "HumanEval/0" and "def " in probs[0]["prompt"]
+
+
+def test_ratio_interval_covers_its_estimate_and_narrows_with_more_prompts():
+    est, ci = ratio_ci([2, 1, 0, 3] * 5, [4, 4, 4, 4] * 5)
+    assert est == pytest.approx(1.375) and ci[0] < est < ci[1]
+    _, wide = ratio_ci([2, 1, 0, 3], [4, 4, 4, 4])
+    assert wide[1] - wide[0] > ci[1] - ci[0]
+
+
+def test_the_value_command_without_a_handoff_says_one_line(ci_run, tmp_path):
+    run = tmp_path / "ci"
+    shutil.copytree(ci_run.run_dir, run)
+    r = subprocess.run([sys.executable, "-m", "eagle3data", "value", str(run)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "no speculators hand-off" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_few_step_draft_serves_in_real_vllm_with_greedy_ids(trained, seqs):
+    from eagle3data.value.engine import serve
+
+    if not (REPO / ".engine" / "bin" / "python").exists():
+        pytest.skip(".engine/ absent: run `make engine` (make test builds it)")
+    p, res = trained
+    prompts = [s.input_ids[: s.prompt_len] for s in seqs[:3]]
+    srv = VLLMServerParams(port=0)
+    plain, _ = serve(p, srv, prompts, 24, stage="t_plain", say=lambda s: None)
+    spec, info = serve(p, srv, prompts, 24, stage="t_spec", draft_dir=res.draft_dir, k=K, say=lambda s: None)
+    assert [x.ids for x in spec] == [x.ids for x in plain]
+    assert all(x.steps for x in spec)
+    assert info["counters"]["spec_decode_num_drafts"] == sum(x.steps for x in spec)
+    assert info["counters"]["spec_decode_num_accepted_tokens"] == sum(x.accepted for x in spec)
