@@ -196,6 +196,20 @@ def m_prompt_from_other(hs, rows, mask):
     hs[a:a + k] = hs[c:c + k].clone()
 
 
+SHARED = f"{TWIN[0]}/{TWIN[1]}"  # its whole prompt (and the start of its output) is the twin's too
+
+
+def m_prompt_inside_shared_prefix(hs, rows, mask):
+    """The first 80% of the prompt rows of a sample whose prompt another sample shares (the twin), from a sample
+    that shares only the chat template's first tokens: the prompt z draws after the shared prefix, so only the
+    comparison with the twin's rows sees it (issue 43: 369 of 505 shared prompt rows in a hidden check)."""
+    a, n = rows[SHARED]
+    c, m = rows[SAME_A]
+    k = _prompt_len(mask, a, n) * 4 // 5
+    assert m >= k
+    hs[a:a + k] = hs[c:c + k].clone()
+
+
 _HEAD = None
 MUTATIONS = {
     "zeroed_rows": (m_zero, {TARGET}, "flat_rows"),
@@ -207,6 +221,7 @@ MUTATIONS = {
     "post_norm_said_pre_norm": (m_post_as_pre, {TARGET}, "final_kind"),
     "pre_norm_said_post_norm": (m_pre_as_post, {TARGET}, "final_kind"),
     "prompt_from_another_sample": (m_prompt_from_other, {TARGET}, "prompt_logit_z"),
+    "prompt_inside_a_shared_prefix": (m_prompt_inside_shared_prefix, {SHARED}, "shared_prefix"),
 }
 
 
@@ -677,3 +692,4 @@ def test_the_bench_verifies_a_linked_copy_and_leaves_the_run_as_it_was(clean, tm
     assert res.ok and res.lines_path.parent == dst / "hidden"
     assert {f.name: f.read_bytes() for f in hdir.iterdir() if f.is_file()} == before
     assert (dst / "hidden" / "index.json").read_bytes() != before["index.json"]  # its own verified_at
+

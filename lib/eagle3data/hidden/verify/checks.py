@@ -74,6 +74,7 @@ CHECKS = {
     "head_logprob": "the record's next output token is likely under the head (median log-prob; vs the run)",
     "head_logit_z": "the record's next output token's logit stands out of the vocabulary's (mean z; vs the run)",
     "prompt_logit_z": "the record's next prompt token's logit stands out of the vocabulary's (mean z; vs the run)",
+    "shared_prefix": "where another sample shares a prefix of ids, the same states over it (norms; the head decides which)",
     "norm_profile": "per-layer RMS and first-token RMS within the run's own spread (median/MAD)",
     "shape": "states [n, S, hidden] in the store's dtype",
     "ids": "stored input_ids equal the source record's",

@@ -27,7 +27,7 @@ import orjson
 
 from eagle3data.core.models import resolve_model_path
 from eagle3data.core.params import RunParams
-from eagle3data.core.params.hidden import positions_problem
+from eagle3data.core.params.hidden import Z_PROMPT_FLOOR, positions_problem
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.generate.backends.vllm_server import server_dtype
@@ -40,6 +40,8 @@ from eagle3data.hidden.verify.checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFI
                                              out_z_floor, pooled_exact, profile_stats, recompute_failed,
                                              run_head_problems, top1_limit, unique_starts)
 from eagle3data.hidden.verify.head import HeadBatch, head_figures, load_head
+from eagle3data.hidden.verify.prefix import (PREFIX_NORM_TOL, compare_pairs, judge_pairs, kept_rows, prefix_pairs,
+                                             row_norms)
 
 VERIFY_FILE = "verify.jsonl"
 SUMMARY_FILE = "verify_summary.json"
@@ -161,6 +163,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     sources = view.samples(datasets)
     greedy, temps = _sampling(view, datasets)
     shared = unique_starts({k: s.input_ids for k, s in sources.items()})
+    pairs = prefix_pairs({str(k): s.input_ids for k, s in sources.items() if reader.row(k) is not None})
+    kept, norms = kept_rows(pairs), {}  # a few rows of each shared prefix: their norms, kept through the pass
     head = load_head(resolve_model_path(params.model.path), config)
     head.moments()  # the vocabulary's logit moments, once (a hidden^2 x vocab GEMM), before the pass
     picks = recompute_picks(reader, recompute)
@@ -197,6 +201,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
                 if "shape" not in row["store"]:
                     row["shared_prefix"] = shared.get(skey, 0)
                     todo.append((row, smp, a, len(rows)))
+                    if key in kept:
+                        norms[key] = row_norms(smp["hidden_states"], kept[key])
                 rows.append(row)
             if not todo:
                 continue
@@ -230,6 +236,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
                                "detail": f"{len(rows)} stored samples, {len(mix.samples)} in the mix: the index "
                                          "must hold exactly the mix's keys in mix order"})
     rows.sort(key=lambda r: r["position"])  # the reader goes shard by shard; the lines follow the mix order
+    _shared_prefixes(rows, pairs, kept, norms, reader, head, compute)
     store_problems += run_head_problems(rows)
     judged = [r for r in rows if "log_rms" in r]
     stats = profile_stats(judged)
@@ -245,6 +252,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
             r["z"] = z
             if "recompute" in r and recompute_failed(r["recompute"]):
                 failed.append("recompute")
+        if r.get("prefix_failed"):
+            failed.append("shared_prefix")
         r["failed"] = sorted(set(failed))
     summary = _summary(rows, store_problems, info, picks, positions, with_profile, stats)
     summary["out_z_run_only"] = run_only
@@ -261,6 +270,30 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     return VerifyResult(hdir, rows, summary, lines, store_problems)
 
 
+def _shared_prefixes(rows: list[dict[str, Any]], pairs: Any, kept: dict[str, list[int]], norms: dict[str, Any],
+                     reader: HiddenReader, head: Any, compute: str) -> None:
+    """The shared-prefix check (`prefix`): each pair's kept norms compared; where rows differ, the head decides which
+    sample differs (its states re-read at those rows). Adds `prefix_rows`, `prefix_differ`, `prefix_max_rel` and, where
+    the head judged, `prefix_z` and `prefix_failed` to the rows."""
+    compared = compare_pairs(pairs, kept, norms, PREFIX_NORM_TOL.get(compute, PREFIX_NORM_TOL["bfloat16"]))
+
+    def read(key: str) -> tuple[Any, Any]:
+        smp = reader.sample(key)
+        return smp["hidden_states"], smp["input_ids"].long()
+
+    judged = judge_pairs(compared, read, head, reader.states, Z_PROMPT_FLOOR)
+    by_key = {r["key"]: r for r in rows}
+    for (a, b), cmp in compared.items():
+        for k in (a, b):
+            r = by_key[k]
+            r["prefix_rows"] = r.get("prefix_rows", 0) + len(cmp["rows"])
+            r["prefix_differ"] = r.get("prefix_differ", 0) + len(cmp["differ"])
+            r["prefix_max_rel"] = round(max(r.get("prefix_max_rel", 0.0), cmp["max_rel"]), 6)
+    for k, got in judged.items():
+        by_key[k]["prefix_z"] = got["against"]
+        by_key[k]["prefix_failed"] = got["failed"]
+
+
 def _line(r: dict[str, Any]) -> dict[str, Any]:
     return {"key": r["key"], "failed": r["failed"], **{k: v for k, v in r.items() if k not in ("key", "failed")}}
 
@@ -274,6 +307,7 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
     applicable["head_logprob"] = sum(1 for r in rows if (r.get("out_exact_positions") or 0) >= EXACT_PER_SAMPLE)
     applicable["head_logit_z"] = sum(1 for r in rows if r.get("out_positions"))
     applicable["prompt_logit_z"] = sum(1 for r in rows if r.get("prompt_positions"))
+    applicable["shared_prefix"] = sum(1 for r in rows if r.get("prefix_rows"))
     applicable["head_top1"] = sum(1 for r in rows if r.get("greedy") and r.get("out_exact_positions")
                                   and top1_limit(r["out_exact_positions"]) <= r["out_exact_positions"])
     applicable["norm_profile"] = judged if with_profile else 0
