@@ -226,6 +226,28 @@ def test_the_model_cache_follows_the_umask(tmp_path):
     assert res.returncode == 0 and stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o644, res.stderr
 
 
+def test_the_heads_cached_moments_follow_the_umask(tmp_path, monkeypatch):
+    """verify-hidden keeps the head's vocabulary moments in the model cache (`.cache/head_moments/`): written with the
+    umask's mode (safetensors alone made them 0600), and a file written before is mended when it is read."""
+    import torch
+
+    from eagle3data.hidden.verify.head import Head, moments_path
+
+    monkeypatch.setenv("EAGLE3DATA_CACHE", str(tmp_path / "cache"))
+    g = torch.Generator().manual_seed(0)
+    head = lambda: Head(torch.ones(8), torch.randn(32, 8, generator=g), 1e-6, ("n", "h"), origin="test|h|1|2")  # noqa: E731
+    old = os.umask(0o022)
+    try:
+        head().moments()
+        path = moments_path("test|h|1|2")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644 and [p.name for p in path.parent.iterdir()] == [path.name]
+        path.chmod(0o600)
+        head().moments()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
 def test_atomic_write_gives_the_umask_mode(tmp_path):
     """The one helper: whatever the writer creates (safetensors makes 0600), the file ends with 0666 less the umask."""
     import torch

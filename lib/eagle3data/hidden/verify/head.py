@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from eagle3data.core.atomic import atomic_path, follow_umask
 from eagle3data.core.models import cache_dir, text_config
 from eagle3data.hidden.norms import read_final_norm, rms_norm, weight_files
 from eagle3data.hidden.verify.checks import UNIT_RMS_TOL, VerifyError, positions
@@ -53,15 +54,15 @@ class Head:
 
             path = moments_path(self.origin) if self.origin else None
             if path is not None and path.exists():
+                follow_umask(path.parent)  # moments written 0600 before the rule: readable as the umask allows
                 got = load_file(str(path))
                 self._moments = (got["mean"], got["factor"])
             else:
                 self._moments = self._compute_moments()
                 if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                    save_file({"mean": self._moments[0], "factor": self._moments[1]}, str(tmp))
-                    os.replace(tmp, path)
+                    with atomic_path(path, tmp_suffix=f".{os.getpid()}.tmp") as tmp:  # the umask's mode, not 0600
+                        save_file({"mean": self._moments[0], "factor": self._moments[1]}, str(tmp))
         return self._moments
 
     def _compute_moments(self) -> tuple[Any, Any]:
