@@ -25,6 +25,7 @@ from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import EMBEDDED_PREFIX, resolve_model_path, tokenizer_for
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import get_profile
+from eagle3data.core.progress import Progress
 from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
@@ -257,10 +258,21 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     return result
 
 
-def run_value(params: RunParams, *, say: Callable[[str], None] = print, plan: ValuePlan | None = None) -> dict[str, Any]:
-    """The whole stage: plan, references, states, every variant; writes value/summary.json and returns it."""
+def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
+              plan: ValuePlan | None = None) -> dict[str, Any]:
+    """The whole stage: plan, references, states, every variant; writes value/summary.json and returns it.
 
+    Each step's line goes to `progress.json` (what `eagle3data run` and `status` show) and to `say`; without
+    `say`, to the one live line of a notebook or terminal (`core.progress.Progress`)."""
     plan = plan or plan_value(params)
+    prog = Progress(say is None, run_dir=plan.run_dir, stage="06_value")
+    shout = say
+
+    def say(line: str) -> None:  # noqa: F811 - every step's line, to both
+        prog.update(line)
+        if shout is not None:
+            shout(line)
+
     vdir = plan.run_dir / "value"
     vdir.mkdir(parents=True, exist_ok=True)
     write_atomic(_eval_rows_path(plan.run_dir), "".join(json.dumps(e.row()) + "\n" for e in plan.evals).encode())
@@ -290,6 +302,9 @@ def run_value(params: RunParams, *, say: Callable[[str], None] = print, plan: Va
                                                "counters_check")} for r in results],
                "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}
     write_atomic(vdir / "summary.json", json.dumps(summary, indent=1).encode())
+    say(f"06 done in {summary['seconds']:.0f} s: " + "; ".join(
+        f"{v['variant']} {ds} τ {f['tau_engine'] if f['tau_engine'] is not None else f['tau_offline']}"
+        for v in summary["variants"] for ds, f in v["per_dataset"].items()))
     write_provenance(plan.run_dir, "06_value", params)
     _save_figures(plan.run_dir, summary)
     bad = [(r["variant"], ds, v["not_lossless"]) for r in results for ds, v in r["per_dataset"].items()
