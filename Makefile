@@ -74,7 +74,7 @@ VALUE_PARAMS ?= params/value.yaml
 value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yaml into outputs/value/ (a draft trained, its τ measured; docs/06)
 	$(BIN)/python -m eagle3data run $(VALUE_PARAMS)
 
-test: model engine ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
+test: model engine sglang ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests
 
 BENCH ?= bench/bench_*.py

@@ -276,8 +276,10 @@ class LoopbackServer:
                  price_per_token: float = 1e-6, body_bytes: tuple[int, int] = (200, 600), retry_after: str = "1",
                  eot_id: int = 2, eot_text: str = "<|im_end|>", record: bool = True, seed: int = 0,
                  api_key: str | None = None, id_prefix: str = "rid", served_model_name: str | None = None,
-                 ssl_context: Any = None, http2: bool = False, h2_max_streams: int = 256):
+                 ssl_context: Any = None, http2: bool = False, h2_max_streams: int = 256,
+                 context_len: int | None = None):
         assert kind in ("openai", "sglang", "vllm")
+        self.context_len = context_len  # SGLang kind: the model's context length (None: no limit)
         self.id_prefix = id_prefix
         self.served_model_name = served_model_name or model_path
         self.ssl_context = ssl_context
@@ -400,6 +402,11 @@ class LoopbackServer:
             try:
                 req = orjson.loads(body)
             except orjson.JSONDecodeError:
+                if self.kind == "sglang":  # SGLang's own shape (tests/test_sglang_engine.py checks it on the real one)
+                    return conn.send(400, orjson.dumps({"object": "error", "message": (
+                        "1 validation error:\n  {'type': 'json_invalid', 'loc': ('body', 1), 'msg': 'JSON decode "
+                        "error', 'input': {}}\n\n  POST /generate"), "type": "BadRequestError", "param": None,
+                        "code": 400}))
                 return conn.send(400, b'{"error":{"code":400,"message":"bad json"}}')
         if self.record:
             self.requests.append({"t": time.monotonic(), "path": path, "fault": fault, "body": req})
@@ -425,6 +432,9 @@ class LoopbackServer:
             for t in list(self.transports):
                 t.abort()
             return
+        refused = self._sglang_refusal(req) if self.kind == "sglang" and req is not None else None
+        if refused is not None:
+            return conn.send(400, orjson.dumps({"error": {"message": refused}}))
         self.served += 1
         out = self._answer(req, fault)
         self._later(self._delay(), conn.send, 200, out, None, fault == "truncated")
@@ -440,25 +450,46 @@ class LoopbackServer:
             return body
         return self._openai(req, fault)
 
+    def _sglang_refusal(self, req: dict[str, Any]) -> str | None:
+        """SGLang's 400 message for a request it refuses (real messages, 0.5.23), or None."""
+        ids = req.get("input_ids")
+        if ids is None and req.get("text") is None:
+            return "Either text, input_ids or input_embeds should be provided."
+        if ids == []:
+            return "input_ids cannot be empty."
+        max_new = int((req.get("sampling_params") or {}).get("max_new_tokens", 128))
+        for p in (ids if ids and isinstance(ids[0], list) else [ids or []]):
+            if self.context_len is not None and len(p) >= self.context_len:
+                return (f"The input ({len(p)} tokens) is longer than the model's context length "
+                        f"({self.context_len} tokens).")
+            if self.context_len is not None and len(p) + max_new > self.context_len:
+                return (f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                        f"tokens. You requested a total of {len(p) + max_new} tokens: {len(p)} tokens from the input "
+                        f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in "
+                        "the input messages or the completion to fit within the limit.")
+        return None
+
     def _sglang(self, req: dict[str, Any]) -> bytes:
         ids = req["input_ids"]
         batch = bool(ids) and isinstance(ids[0], list)
         sp = req.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 16))
+        stops = set(sp.get("stop_token_ids") or []) | {self.eot_id}
         out = []
         for p in ids if batch else [ids]:
             n = 3 + (len(p) + sum(p[-3:])) % 13  # deterministic per prompt
             body = [100 + (len(p) * 7 + i * 31) % 4000 for i in range(n)] + [self.eot_id]
             if self.script is not None:  # a test's own output ids for this prompt
                 body = list(self.script(p))
-            if len(body) > max_new:
-                body, fr = body[:max_new], {"type": "length", "length": max_new}
+            hit = next((i for i, t in enumerate(body[:max_new]) if t in stops), None)
+            if hit is not None:  # as SGLang: the stop id ends the output and stays in output_ids
+                body, fr = body[:hit + 1], {"type": "stop", "matched": body[hit]}
             else:
-                fr = {"type": "stop", "matched": self.eot_id}
+                body, fr = body[:max_new], {"type": "length", "length": max_new}
             out.append({"text": "", "output_ids": body,
                         "meta_info": {"id": f"{self.id_prefix}-{self.rng.getrandbits(48):x}", "finish_reason": fr,
                                       "prompt_tokens": len(p), "completion_tokens": len(body), "cached_tokens": 0,
-                                      "e2e_latency": self.latency}})
+                                      "e2e_latency": float(self.latency)}})
         return orjson.dumps(out if batch else out[0])
 
     def _vllm(self, req: dict[str, Any], fault: str | None) -> bytes:

@@ -306,8 +306,13 @@ def print_engine_command(params: Any, stage: str) -> int:
     from eagle3data.generate.backends.vllm_server import server_command  # the launcher only for this flag
 
     if stage == "01_generate":
+        if params.generate.backend == "sglang":
+            from eagle3data.generate.backends.sglang_server import sglang_command
+
+            print(sglang_command(params, params.generate.sglang, stage="generate").shell())
+            return 0
         if params.generate.backend != "vllm":
-            raise UserError("--print-engine-command: generate.backend is not vllm")
+            raise UserError("--print-engine-command: generate.backend is not vllm or sglang")
         print(server_command(params, params.generate.vllm, stage="generate").shell())
         return 0
     from eagle3data.hidden.capture import layer_plan, load_config

@@ -53,6 +53,7 @@ from eagle3data.core.runlock import hold_run
 from eagle3data.generate.backends.engine import Engine, EngineSettings, GenerateError, Job
 from eagle3data.generate.backends.openai_api import OpenAIBackend
 from eagle3data.generate.backends.sglang import SGLangBackend
+from eagle3data.generate.backends.sglang_server import SGLangServer, sglang_command
 from eagle3data.generate.backends.vllm import VLLMBackend
 from eagle3data.generate.backends.vllm_server import VLLMServer, server_command
 from eagle3data.generate.ledger import DatasetLedger, ledger_frame, provider_frame, write_ledger
@@ -149,6 +150,11 @@ def _run_async(coro: Any) -> Any:
 def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, progress: bool):
     g = params.generate
     if g.backend == "sglang":
+        if g.sglang.launch:  # a server started here for this run, stopped when it ends (sglang_server.py)
+            with SGLangServer(sglang_command(params, g.sglang, stage="generate"), progress=progress) as srv:
+                return _run_http(params.model_copy(update={"generate": g.model_copy(update={
+                    "sglang": g.sglang.model_copy(update={"launch": False, "base_url": srv.base_url})})}),
+                    plan, profile, tokenizer, progress)
         backend: Any = SGLangBackend(params, profile, tokenizer)
         base_url, credit_poll = g.sglang.base_url, 1e9
     elif g.backend == "vllm":

@@ -48,10 +48,42 @@ class SamplingParams(Strict):
     seed: int = Field(0, description="Seed for sampling and for the dispatch shuffle.")
 
 
+class SGLangServerParams(Strict):
+    """An SGLang server the project starts on this machine (`launch: true`; `generate/backends/sglang_server.py`)."""
+
+    python: str = Field(".sglang/bin/python", description="Python of the SGLang venv (`make sglang`; relative paths "
+                                                          "from the repository root).")
+    host: str = Field("127.0.0.1", description="Address the server listens on.")
+    port: int = Field(30000, ge=0, le=65535, description="Port the server listens on (0: a free port).")
+    tensor_parallel_size: int = Field(1, gt=0, description="`--tp-size` (GPUs per server).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="`--dtype` (None: model.dtype).")
+    context_length: int | None = Field(None, gt=0, description="`--context-length` (None: model.max_context).")
+    max_total_tokens: int | None = Field(
+        None, gt=0, description="`--max-total-tokens`, the KV cache in tokens (None: 8192 on CPU, where SGLang would "
+                                "size it from the free memory; SGLang's own on a GPU).")
+    mem_fraction_static: float | None = Field(None, gt=0, le=1, description="`--mem-fraction-static` (GPU).")
+    radix_cache: bool = Field(True, description="SGLang's prefix cache (01); 04's servers always run without it (a "
+                                                "cached prefix leaves its rows out of the hidden states).")
+    start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for the server's /health after starting it.")
+    extra_args: list[str] = Field(default_factory=list, description="More `sglang.launch_server` flags, as given.")
+
+
 class SGLangParams(Strict):
-    base_url: str = Field(description="SGLang server or sglang-router URL, e.g. http://127.0.0.1:30000.")
+    base_url: str | None = Field(
+        None, description="SGLang server or sglang-router URL, e.g. http://127.0.0.1:30000 (None with `launch`: the "
+                          "started server's).")
+    launch: bool = Field(False, description="Start an SGLang server on this machine for the run (`server`), stop it "
+                                            "after.")
+    server: SGLangServerParams = Field(default_factory=SGLangServerParams, description="The server `launch` starts.")
     batch_size: int = Field(1, gt=0, le=256, description="Prompts per /generate request (input_ids as a list).")
     check_model: bool = Field(True, description="Refuse to start if /get_model_info names another model.")
+
+    @model_validator(mode="after")
+    def _url_or_launch(self) -> "SGLangParams":
+        if self.base_url is None and not self.launch:
+            raise ValueError("an SGLang server needs `base_url` (a running one) or `launch: true` (one started here)")
+        return self
 
 
 class VLLMServerParams(Strict):
@@ -193,7 +225,7 @@ class GenerateParams(Strict):
     @model_validator(mode="after")
     def _backend_settings_present(self) -> "GenerateParams":
         if self.backend == "sglang" and self.sglang is None:
-            raise ValueError("backend 'sglang' needs a `generate.sglang` section (base_url)")
+            raise ValueError("backend 'sglang' needs a `generate.sglang` section (base_url, or launch: true)")
         if self.backend == "vllm" and self.vllm is None:
             raise ValueError("backend 'vllm' needs a `generate.vllm` section (base_url, or launch: true)")
         if self.backend == "openai" and self.openai is None:

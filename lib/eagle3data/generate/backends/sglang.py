@@ -57,12 +57,14 @@ class SGLangBackend:
 
     source = "sglang"
     path = "/generate"
+    section = "generate.sglang"  # the params section its errors name
 
-    def __init__(self, params: Any, profile: Profile, tokenizer: Any):
+    def __init__(self, params: Any, profile: Profile, tokenizer: Any, settings: Any = None):
         self.params = params
         self.profile = profile
         self.tokenizer = tokenizer
-        self.batch_size = params.generate.sglang.batch_size
+        self.s = settings if settings is not None else params.generate.sglang  # 04's are hidden.sglang
+        self.batch_size = self.s.batch_size
         s = params.generate.sampling
         self.sampling_params = {"max_new_tokens": s.max_new_tokens, "no_stop_trim": True, **engine_sampling(s, profile)}
         self.sampling = s.model_dump(exclude_none=True)
@@ -89,12 +91,12 @@ class SGLangBackend:
         if info.get("is_generation") is False:
             raise GenerateError(f"SGLang server {base} serves a non-generation model {info.get('model_path')!r}")
         m = self.params.model
-        if self.params.generate.sglang.check_model and not model_matches(info, m):
+        if self.s.check_model and not model_matches(info, m):
             raise GenerateError(
                 f"SGLang server {base} serves model_path={info.get('model_path')!r} "
                 f"tokenizer_path={info.get('tokenizer_path')!r}, but params name model {m.name!r} "
                 f"(path {m.path!r}); refusing to start: its ids would not match this tokenizer. "
-                "Point generate.sglang.base_url at the right server, or fix `model` in params.")
+                f"Point {self.section}.base_url at the right server, or fix `model` in params.")
         return {"server_model_path": info.get("model_path"), "server_tokenizer_path": info.get("tokenizer_path"),
                 "credit_left_usd": None}
 

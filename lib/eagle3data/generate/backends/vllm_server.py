@@ -146,7 +146,11 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class VLLMServer:
-    """A started server: `with VLLMServer(cmd) as srv:` waits for health; leaving stops it (Ctrl-C too)."""
+    """A started server: `with VLLMServer(cmd) as srv:` waits for health; leaving stops it (Ctrl-C too).
+    `sglang_server.SGLangServer` is the same lifecycle under SGLang's name."""
+
+    engine = "vLLM"
+    build_hint = "run `make engine` (vLLM in its own venv, .engine/), or set server.python"
 
     def __init__(self, cmd: EngineCommand, *, progress: bool = True):
         self.cmd = cmd
@@ -161,8 +165,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         python = self.cmd.argv[0]
         if not Path(python).exists():
-            raise ServerError(f"no engine Python at {python}: run `make engine` (vLLM in its own venv, .engine/), or "
-                              "set server.python")
+            raise ServerError(f"no engine Python at {python}: {self.build_hint}")
         self.cmd.log.parent.mkdir(parents=True, exist_ok=True)
         stop_stale(self.cmd.record, progress=self.progress)
         with open(self.cmd.log, "ab") as log:
@@ -173,7 +176,7 @@ class VLLMServer:
                                          preexec_fn=die_with_launcher())
         write_record(self.cmd.record, self.proc.pid, self.cmd)
         if self.progress:
-            print(f"vLLM server starting (pid {self.proc.pid}, log {self.cmd.log}): {self.cmd.base_url}", flush=True)
+            print(f"{self.engine} server starting (pid {self.proc.pid}, log {self.cmd.log}): {self.cmd.base_url}", flush=True)
         try:
             self.wait_healthy()
         except BaseException:
@@ -188,7 +191,11 @@ class VLLMServer:
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise ServerError(f"vLLM server exited with status {code} before it was healthy; "
+                raise ServerError(f"{self.engine} server exited with status {code} before it was healthy; "
+                                  f"{self.cmd.log}:\n{log_tail(self.cmd.log)}")
+            why = self.dead_reason()
+            if why is not None:
+                raise ServerError(f"{self.engine} server died before it was healthy ({why}); "
                                   f"{self.cmd.log}:\n{log_tail(self.cmd.log)}")
             try:
                 if httpx.get(health, timeout=2.0).status_code == 200:
@@ -196,12 +203,16 @@ class VLLMServer:
             except httpx.HTTPError:
                 pass
             if time.monotonic() - t0 > self.cmd.start_timeout_s:
-                raise ServerError(f"vLLM server not healthy after {self.cmd.start_timeout_s:g} s "
+                raise ServerError(f"{self.engine} server not healthy after {self.cmd.start_timeout_s:g} s "
                                   f"(server.start_timeout_s); {self.cmd.log}:\n{log_tail(self.cmd.log)}")
             time.sleep(0.5)
         self.started_s = round(time.monotonic() - t0, 1)
         if self.progress:
-            print(f"vLLM server healthy after {self.started_s:g} s", flush=True)
+            print(f"{self.engine} server healthy after {self.started_s:g} s", flush=True)
+
+    def dead_reason(self) -> str | None:
+        """Why the server will never answer /health although its process runs (a subclass reads its log), or None."""
+        return None
 
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL after STOP_GRACE_S; its record removed; idempotent."""

@@ -1,0 +1,168 @@
+"""The real SGLang engine (`make sglang`: `.sglang/`, sglang 0.5.23 on the CPU with the stand-in kernels of
+engines/sglang_cpu_stub) started by the tests, never a fake.
+
+(a) 01 with `generate.backend: sglang` and `generate.sglang.launch: true` gives the local backend's exact ids for
+every key of the ci run (greedy), finish reasons and usage read from the real `meta_info`; (b) the loopback SGLang
+server the fault tests use (tests/loopback.py) answers what the real one answers, field by field: the shapes of a
+reply, a batch, `meta_info`, `finish_reason` (stop, length) and the errors on bad input; (d) no stand-in kernel is
+called: every server log of this module shows the stand-in loaded in its processes and never called.
+One server at a time (each takes ~4.5 GB). Skipped, with the reason, only where the SGLang venv is absent (`make test`
+builds it first).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from eagle3data.core.params import load_params
+from eagle3data.core.records import scan_journal
+from eagle3data.generate.backends.retries import error_message
+from eagle3data.generate.backends.sglang_server import SGLangServer, sglang_command, sglang_python
+from eagle3data.generate.run import run_generate
+from loopback import LoopbackServer
+
+REPO = Path(__file__).resolve().parents[1]
+CI = REPO / "params" / "ci.yaml"
+SGLANG = Path(sglang_python(load_params(CI, {"generate.backend": "sglang",
+                                             "generate.sglang.launch": True}).generate.sglang))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SGLANG.exists(), reason=f"no SGLang venv ({SGLANG}): run "
+                                                                                 "`make sglang` (make test does)")]
+LOGS: list[Path] = []  # every server log of this module, for (d)
+
+
+def records_by_key(params) -> dict[str, dict]:
+    out = {}
+    for f in sorted((params.run_dir / "records").glob("*.jsonl")):
+        for r in scan_journal(f).records:
+            out[f"{f.stem}:{r['sample_id']}:{r.get('turn')}"] = r
+    return out
+
+
+# ---------------------------------------------------------------------------- (a) 01
+
+
+def test_01_through_a_launched_sglang_server_gives_the_local_backends_ids(ci_run, tmp_path):
+    p = load_params(CI, {"output_root": str(tmp_path), "generate.backend": "sglang", "generate.concurrency": 4,
+                         "generate.sglang": {"launch": True, "server": {"port": 0}}})
+    s = run_generate(p, progress=False)
+    log = p.run_dir / "engine" / "sglang_generate.log"
+    LOGS.append(log)
+    local, served = records_by_key(ci_run), records_by_key(p)
+    assert s.status == "finished" and served.keys() == local.keys() and s.new_records == len(local)
+    n_max = p.generate.sampling.max_new_tokens
+    for k, want in local.items():
+        got = served[k]
+        assert got["prompt_ids"] == want["prompt_ids"] and got["output_ids"] == want["output_ids"], k  # greedy, exact
+        assert got["source"] == "sglang" and got["ids_exact"] and got["error"] is None
+        out = got["output_ids"]
+        if got["finish_reason"] == "stop":  # meta_info.finish_reason {"type": "stop", "matched": <the stop id>}
+            assert got["native_finish_reason"] == f"stop:{out[-1]}" and out[-1] in (2,), k
+        else:  # {"type": "length", "length": max_new_tokens}
+            assert got["finish_reason"] == "length" and got["native_finish_reason"] == f"length:{n_max}"
+            assert len(out) == n_max, k
+        u = got["usage"]  # meta_info's counts, as the server gave them
+        assert (u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"]) == (len(got["prompt_ids"]), len(out),
+                                                                                    u["cached_tokens"])
+        assert isinstance(u["cached_tokens"], int) and len(got["generation_id"]) == 32
+    first = log.read_text().splitlines()[0]  # the command is the log's first line
+    assert "SGLANG_USE_CPU_ENGINE=1" in first and "--attention-backend torch_native" in first
+
+
+# ---------------------------------------------------------------------------- (b) the loopback against the real one
+
+
+def shape(x):
+    """The JSON shape of a value: dicts by key, lists by their first item, scalars by type name."""
+    if isinstance(x, dict):
+        return {k: shape(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [shape(x[0])] if x else []
+    return type(x).__name__
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    p = load_params(CI, {"output_root": str(tmp_path_factory.mktemp("sglang_plain")), "generate.backend": "sglang",
+                         "generate.sglang": {"launch": True, "server": {"port": 0, "radix_cache": False}}})
+    with SGLangServer(sglang_command(p, p.generate.sglang, stage="probe"), progress=False) as srv:
+        LOGS.append(srv.cmd.log)
+        yield srv
+
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2]
+SP = {"max_new_tokens": 6, "temperature": 0.0, "skip_special_tokens": False, "no_stop_trim": True,
+      "stop_token_ids": [2]}
+PROBES = {  # name -> request body (bytes: sent as they are)
+    "one": {"input_ids": PROMPT, "sampling_params": SP},
+    "batch": {"input_ids": [PROMPT, PROMPT[:5]], "sampling_params": SP},
+    "length": {"input_ids": PROMPT, "sampling_params": {**SP, "max_new_tokens": 2}},
+    "empty": {"input_ids": [], "sampling_params": SP},
+    "no_input": {"sampling_params": SP},
+    "too_long": {"input_ids": [5] * 9000, "sampling_params": SP},
+    "over_context": {"input_ids": [5] * 8190, "sampling_params": SP},
+    "not_json": b"{not json",
+}
+# what the client reads of meta_info (generate/backends/sglang.py): the loopback must give each, typed as the real one
+READ = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency")
+
+
+def test_the_loopback_sglang_server_answers_as_the_real_one(plain_server):
+    """Each probe goes to the real server (radix cache off), then to the loopback scripted with the real output ids:
+    same status; an error body of the same shape with the same message; a reply (one, a batch) of the same shape with
+    every loopback `meta_info` field typed as the real one's, and the same ids, finish reason and counts."""
+    real_out: dict[tuple, list[int]] = {}
+    seen = set()
+    with LoopbackServer("sglang", context_len=8192) as fake:
+        fake.script = lambda p: real_out[tuple(p)]
+        for name, body in PROBES.items():
+            got = {}
+            for who, url in (("real", plain_server.base_url), ("loopback", fake.base_url)):
+                content = body if isinstance(body, bytes) else orjson.dumps(body)
+                r = httpx.post(url + "/generate", content=content, headers={"content-type": "application/json"},
+                               timeout=600)
+                got[who] = (r.status_code, orjson.loads(r.content))
+                if who == "real" and r.status_code == 200:
+                    prompts = body["input_ids"] if isinstance(body["input_ids"][0], list) else [body["input_ids"]]
+                    answers = got["real"][1] if isinstance(got["real"][1], list) else [got["real"][1]]
+                    real_out.update({tuple(p): a["output_ids"] for p, a in zip(prompts, answers)})
+            (rs, real), (fs, fake_body) = got["real"], got["loopback"]
+            assert rs == fs, (name, rs, fs, real, fake_body)
+            seen.add(name)
+            if rs != 200:  # the same error body shape, and the message the client shows
+                assert shape(fake_body) == shape(real), (name, real, fake_body)
+                if name != "not_json":  # the real one names a file of its own install there
+                    assert error_message(orjson.dumps(fake_body)) == error_message(orjson.dumps(real)), name
+                continue
+            for a, b in zip(*(x if isinstance(x, list) else [x] for x in (real, fake_body))):
+                assert isinstance(real, list) == isinstance(fake_body, list), name
+                assert set(a) == set(b) == {"text", "output_ids", "meta_info"}, name
+                assert shape(a["output_ids"]) == shape(b["output_ids"]) == ["int"]
+                ma, mb = a["meta_info"], b["meta_info"]
+                assert set(READ) <= set(ma) and set(READ) <= set(mb), name
+                assert {k: shape(ma[k]) for k in mb} == shape(mb), (name, ma, mb)  # every loopback field as real
+                assert a["output_ids"] == b["output_ids"] and ma["finish_reason"] == mb["finish_reason"], (name, a, b)
+                for k in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+                    assert ma[k] == mb[k], (name, k, ma, mb)
+    assert seen == set(PROBES)
+
+
+# ---------------------------------------------------------------------------- (d) the stand-in kernels
+
+
+def test_no_stand_in_kernel_was_called():
+    """Every SGLang server this module started loaded the stand-in sgl_kernel in each of its processes and called
+    none of its functions (each would have printed STANDIN_CALLED and raised)."""
+    import subprocess
+
+    assert len(LOGS) >= 2, LOGS  # 01's server and the plain one
+    for log in LOGS:
+        text = log.read_text(errors="replace")
+        assert text.count("STANDIN_LOADED") >= 3, log  # API server, scheduler, detokenizer
+        assert "STANDIN_CALLED" not in text, log
+    probe = subprocess.run([str(SGLANG), "-c", "import sgl_kernel as k; k.copy_all_layer_kv_cache_cpu()"],
+                           capture_output=True, text=True)  # the tripwire fires when called
+    assert probe.returncode != 0 and "StandInCalled" in probe.stderr and "STANDIN_CALLED" in probe.stderr
