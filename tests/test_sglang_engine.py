@@ -4,7 +4,9 @@ engines/sglang_cpu_stub) started by the tests, never a fake.
 (a) 01 with `generate.backend: sglang` and `generate.sglang.launch: true` gives the local backend's exact ids for
 every key of the ci run (greedy), finish reasons and usage read from the real `meta_info`; (b) the loopback SGLang
 server the fault tests use (tests/loopback.py) answers what the real one answers, field by field: the shapes of a
-reply, a batch, `meta_info`, `finish_reason` (stop, length) and the errors on bad input; (d) no stand-in kernel is
+reply, a batch, `meta_info`, `finish_reason` (stop, length) and the errors on bad input; (c) 04 with `hidden.backend:
+sglang` (two launched servers in turn: aux, then final; radix cache off) stores what 04 via HF stores, within bf16
+per sample and state, passes `verify-hidden`, and SpecForge's loader reads its export; (d) no stand-in kernel is
 called: every server log of this module shows the stand-in loaded in its processes and never called.
 One server at a time (each takes ~4.5 GB). Skipped, with the reason, only where the SGLang venv is absent (`make test`
 builds it first).
@@ -12,17 +14,22 @@ builds it first).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
+import torch
 
 from eagle3data.core.params import load_params
 from eagle3data.core.records import scan_journal
 from eagle3data.generate.backends.retries import error_message
 from eagle3data.generate.backends.sglang_server import SGLangServer, sglang_command, sglang_python
 from eagle3data.generate.run import run_generate
+from eagle3data.hidden.mix import hidden_dir
+from eagle3data.hidden.store.reader import HiddenReader
+from eagle3data.hidden.verify.command import verify_cli
 from loopback import LoopbackServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,6 +39,7 @@ SGLANG = Path(sglang_python(load_params(CI, {"generate.backend": "sglang",
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not SGLANG.exists(), reason=f"no SGLang venv ({SGLANG}): run "
                                                                                  "`make sglang` (make test does)")]
 LOGS: list[Path] = []  # every server log of this module, for (d)
+RUNNING: list[SGLangServer] = []  # module-scoped servers, stopped before a test launches its own (one at a time)
 
 
 def records_by_key(params) -> dict[str, dict]:
@@ -90,6 +98,7 @@ def plain_server(tmp_path_factory):
                          "generate.sglang": {"launch": True, "server": {"port": 0, "radix_cache": False}}})
     with SGLangServer(sglang_command(p, p.generate.sglang, stage="probe"), progress=False) as srv:
         LOGS.append(srv.cmd.log)
+        RUNNING.append(srv)
         yield srv
 
 
@@ -150,6 +159,87 @@ def test_the_loopback_sglang_server_answers_as_the_real_one(plain_server):
     assert seen == set(PROBES)
 
 
+# ---------------------------------------------------------------------------- (c) 04 via SGLang
+
+
+@pytest.fixture(scope="module")
+def both_stores(ci_run, tmp_path_factory):
+    """04 on the ci mix via HF and via SGLang (two launched servers in turn), post-norm final state both."""
+    from eagle3data.core.models import model_for
+    from eagle3data.hidden.extract import run_extract
+
+    for srv in RUNNING:  # one server at a time
+        srv.stop()
+    out = {}
+    for backend in ("hf", "sglang"):
+        root = tmp_path_factory.mktemp(f"store_{backend}")
+        shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
+        over = {"output_root": str(root), "hidden.probe_batches": 0, "hidden.backend": backend,
+                "hidden.final_state": "post_norm", "export.draft_vocab_size": 64}
+        if backend == "sglang":
+            over["hidden.sglang"] = {"launch": True, "concurrency": 4, "server": {"port": 0}}
+        p = load_params(CI, over)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("WORLD_SIZE", raising=False)
+            mp.delenv("RANK", raising=False)
+            res = run_extract(p, progress=False, model=model_for(p) if backend == "hf" else None)
+        assert res.merged and res.validation.ok, (backend, res.stats)
+        out[backend] = (p, res)
+    LOGS.extend(sorted((out["sglang"][0].run_dir / "engine").glob("sglang_hidden_*.log")))
+    return out
+
+
+def test_04_via_sglang_stores_what_04_via_hf_stores(both_stores):
+    (p_hf, _), (p_sg, r_sg) = both_stores["hf"], both_stores["sglang"]
+    hf, sg = HiddenReader(hidden_dir(p_hf)), HiddenReader(hidden_dir(p_sg))
+    assert sg.keys() == hf.keys() and len(hf) >= 4  # same samples, same order
+    for key in hf.keys():
+        a, b = hf.sample(key), sg.sample(key)
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        x, y = a["hidden_states"].float(), b["hidden_states"].float()
+        assert x.shape == y.shape and x.shape[1] == 4
+        for i, name in enumerate(("aux_low", "aux_mid", "aux_high", "post_norm")):
+            torch.testing.assert_close(y[:, i], x[:, i], rtol=2**-7, atol=1e-2, msg=f"{key} {name}")
+    st = r_sg.stats
+    assert st["failed"] == 0 and st["backend"] == "sglang" and st["staged_aux"] == 0  # staging emptied once stored
+    assert not list((hidden_dir(p_sg) / "sglang_aux").glob("*.safetensors"))
+    aux_log = (p_sg.run_dir / "engine" / "sglang_hidden_aux.log").read_text().splitlines()[0]
+    assert "--return-aux-hidden-state-layer-ids 1 14 26" in aux_log and "--disable-radix-cache" in aux_log
+
+
+def test_verify_hidden_passes_on_the_sglang_store(both_stores, tmp_path):
+    p, _ = both_stores["sglang"]
+    assert verify_cli(str(p.run_dir), recompute="0", positions=0, out=str(tmp_path / "v.jsonl")) == 0
+    rows = [orjson.loads(x) for x in (tmp_path / "v.jsonl").read_bytes().splitlines()]
+    assert rows and not any(r["failed"] for r in rows)
+
+
+def test_specforges_loader_reads_the_sglang_store(both_stores, tmp_path):
+    """SpecForge's own loader reads the hand-off of the SGLang store (its post-norm final state is what SpecForge
+    trains on); through the model's lm_head it predicts the next output token as the model does."""
+    from eagle3data.core.models import model_for
+    from eagle3data.export.handoff import write_handoff
+    from eagle3data.hidden.mix import read_mix
+    from specforge.data import preprocessing as specforge_pre
+
+    p, _ = both_stores["sglang"]
+    samples = read_mix(hidden_dir(p)).samples
+    write_handoff(p, samples, tmp_path / "specforge", "specforge")
+    ds = specforge_pre.build_offline_eagle3_dataset(str(tmp_path / "specforge" / "features"), max_len=4096)
+    assert len(ds) == len(samples)
+    model = model_for(p)
+    hits = total = 0
+    for i, s in enumerate(samples):
+        item = ds[i]
+        assert item["input_ids"][0].tolist() == s.input_ids
+        with torch.inference_mode():
+            pred = model.lm_head(item["target"][0].float())[:-1].argmax(-1)
+        pick = torch.tensor(s.loss_mask)[1:].bool()
+        hits += int((pred[pick] == torch.tensor(s.input_ids)[1:][pick]).sum())
+        total += int(pick.sum())
+    assert total > 50 and hits / total >= 0.97, (hits, total)
+
+
 # ---------------------------------------------------------------------------- (d) the stand-in kernels
 
 
@@ -158,7 +248,7 @@ def test_no_stand_in_kernel_was_called():
     none of its functions (each would have printed STANDIN_CALLED and raised)."""
     import subprocess
 
-    assert len(LOGS) >= 2, LOGS  # 01's server and the plain one
+    assert len(LOGS) >= 4, LOGS  # 01's server, the plain one, the aux and the final pass of 04
     for log in LOGS:
         text = log.read_text(errors="replace")
         assert text.count("STANDIN_LOADED") >= 3, log  # API server, scheduler, detokenizer

@@ -318,13 +318,23 @@ def print_engine_command(params: Any, stage: str) -> int:
     from eagle3data.hidden.capture import layer_plan, load_config
     from eagle3data.hidden.engines.vllm_capture import hidden_command
 
-    if params.hidden.backend != "vllm":
-        raise UserError("--print-engine-command: hidden.backend is not vllm")
+    if params.hidden.backend not in ("vllm", "sglang"):
+        raise UserError("--print-engine-command: hidden.backend is not vllm or sglang")
     try:
         layers = layer_plan(params, load_config(params))
     except (OSError, ValueError):  # the model folder is on the server's machine only: the profile's layer count
         layers = get_profile(params.profile).aux_layers()
         print(f"# model config not readable here: layers from profile {params.profile!r}", file=sys.stderr)
+    if params.hidden.backend == "sglang":  # two passes: the aux server, then the final one
+        from eagle3data.hidden.engines.sglang_capture import aux_command, final_command
+
+        try:
+            config = load_config(params)
+        except (OSError, ValueError):
+            config = None  # the model folder is on the server's machine only: no architecture rule known here
+        print("# pass 1 (aux states):\n" + aux_command(params, layers, config).shell())
+        print("# pass 2 (final state, after the norm):\n" + final_command(params).shell())
+        return 0
     print(hidden_command(params, layers).shell())
     return 0
 

@@ -51,6 +51,7 @@ from eagle3data.hidden.store.index import ShardScan, scan_shards
 from eagle3data.hidden.store.validation import Validation, validate_store
 from eagle3data.hidden.store.writer import open_writer
 from eagle3data.core.provenance import write_provenance
+from eagle3data.hidden.engines.sglang_capture import capture_sglang, sglang_layers_note
 from eagle3data.hidden.engines.vllm_capture import capture_vllm, holds_vllm_server, vllm_layers_note
 from eagle3data.hidden.verify.run import VerifyResult, verify_store
 from eagle3data.hidden.merge import IncompleteError, merge_store
@@ -165,7 +166,8 @@ class ExtractPlan:
         return (f"{lay.num_layers} decoder layers: HF hidden_states index {list(lay.hf_indices)} "
                 f"= outputs of layers {list(lay.layer_outputs)}, then the final state: {hp.final_state} "
                 f"(pre_norm = output of the last layer, post_norm = the final norm's output); layout {hp.layout}"
-                + (vllm_layers_note(lay) if hp.backend == "vllm" else ""))
+                + (vllm_layers_note(lay) if hp.backend == "vllm" else "")
+                + (sglang_layers_note(lay, self.config) if hp.backend == "sglang" else ""))
 
     def context_line(self) -> str:
         """The context limit the mix was built with, and what it dropped."""
@@ -319,6 +321,9 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     if work.todo and hp.backend == "vllm":  # a vLLM server computes the states (engines/vllm_capture.py); same writer
         capture_vllm(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info), stats,
                      layers=layers, config=config, progress=progress)
+    elif work.todo and hp.backend == "sglang":  # two SGLang passes, aux then final (engines/sglang_capture.py)
+        capture_sglang(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info), stats,
+                       layers=layers, config=config, progress=progress)
     elif work.todo:
         if plan.model is None:  # a plan made without loading it
             plan.model = model if model is not None else load_extract_model(params)
@@ -387,7 +392,10 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     if hp.verify_after:  # the store's backend recomputes a few samples per shard: the model at hand, or the same server
         make = vllm_backend(params, info, config, layers) if hp.backend == "vllm" else lambda: Capture(  # noqa: E731
             plan.model if plan.model is not None else load_extract_model(params), layers, _torch_dtype(hp.dtype), hp.final_state)
-        result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions, recompute=hp.verify_recompute)
+        # SGLang has no recompute backend (its two passes need both servers at once): statistics and head checks only
+        recompute = 0 if hp.backend == "sglang" else hp.verify_recompute
+        result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions,
+                                           recompute=recompute)
     return result
 
 

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from eagle3data.core.params.base import Strict
 from eagle3data.core.params.export import trainer_names
-from eagle3data.core.params.generate import VLLMParams
+from eagle3data.core.params.generate import SGLangParams, VLLMParams
 from eagle3data.core.quant import StateCodec, storage_problem
 from eagle3data.trainers.registry import get_trainer
 
@@ -48,12 +48,34 @@ class HiddenVLLMParams(VLLMParams):
                           "read that path.")
 
 
+class HiddenSGLangParams(SGLangParams):
+    """04 through SGLang: two passes, the aux states then the final one, radix cache off (docs/04 Which backend)."""
+
+    final_url: str | None = Field(
+        None, description="The final pass's server (`--enable-return-hidden-states`) when not launched; `base_url` is "
+                          "the aux pass's (`--enable-return-aux-hidden-states`).")
+    batch_size: int = Field(1, gt=0, le=1, description="One sample per request.")
+    concurrency: int = Field(16, gt=0, le=10000, description="Requests in flight at most.")
+    timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
+    max_retries: int = Field(3, ge=0, description="Retries on 408/5xx/connection errors before the sample fails.")
+
+    @model_validator(mode="after")
+    def _two_servers(self) -> "HiddenSGLangParams":
+        if not self.launch and self.final_url is None:
+            raise ValueError("04 through SGLang takes two servers: `base_url` (aux pass) and `final_url` (final pass), "
+                             "or `launch: true`")
+        return self
+
+
 class HiddenParams(Strict):
     enabled: bool = Field(True, description="Run 04_extract_hidden.")
-    backend: Literal["hf", "vllm"] = Field(
-        "hf", description="Who computes the states: `hf` (a transformers forward with hooks, torchrun ranks) or "
-                          "`vllm` (a vLLM server's extract_hidden_states: the engine for targets HF cannot run).")
+    backend: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="Who computes the states: `hf` (a transformers forward with hooks, torchrun ranks), "
+                          "`vllm` (a vLLM server's extract_hidden_states: the engine for targets HF cannot run; one "
+                          "pass) or `sglang` (SGLang's returned hidden states: two passes, post-norm final state only).")
     vllm: HiddenVLLMParams | None = Field(None, description="Settings for backend `vllm` (base_url, or launch: true).")
+    sglang: HiddenSGLangParams | None = Field(
+        None, description="Settings for backend `sglang` (base_url and final_url, or launch: true).")
     batch_tokens: int = Field(4096, gt=0, description="Token budget per forward batch (padded size).")
     shard_bytes: int = Field(512 * 2**20, gt=0, description="Target size of one safetensors shard.")
     include_failed: bool = Field(False, description="Also extract records that failed the audit.")
@@ -137,6 +159,11 @@ class HiddenParams(Strict):
     def _backend_settings_present(self) -> "HiddenParams":
         if self.backend == "vllm" and self.vllm is None:
             raise ValueError("backend 'vllm' needs a `hidden.vllm` section (base_url, or launch: true)")
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("backend 'sglang' needs a `hidden.sglang` section (base_url and final_url, or launch: true)")
+        if self.backend == "sglang" and self.final_state != "post_norm":
+            raise ValueError(f"backend 'sglang' returns the final state after the norm only: final_state is "
+                             f"{self.final_state!r} (set post_norm, or use backend vllm or hf for pre_norm)")
         return self
 
     @field_validator("verify_positions")

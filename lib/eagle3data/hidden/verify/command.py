@@ -42,7 +42,18 @@ def vllm_recompute(params: RunParams, info: dict[str, Any], config: Any, model: 
     return vllm_backend(params, info, config, layer_plan(params, config))
 
 
-BACKENDS: dict[str, Callable[..., Callable[[], Any]]] = {"hf": hf_backend, "vllm": vllm_recompute}
+def sglang_recompute(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
+    """A store made through SGLang: its two passes would need both servers at once; no recompute backend yet."""
+
+    def make() -> Any:
+        raise VerifyError("verify-hidden: no recompute through SGLang (a store of hidden.backend sglang): run with "
+                          "--recompute 0 (statistics and head checks), or --backend hf where the target fits")
+
+    return make
+
+
+BACKENDS: dict[str, Callable[..., Callable[[], Any]]] = {"hf": hf_backend, "vllm": vllm_recompute,
+                                                         "sglang": sglang_recompute}
 
 
 def parse_recompute(value: str | None) -> int | str:
