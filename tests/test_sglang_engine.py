@@ -216,7 +216,8 @@ def test_verify_hidden_passes_on_the_sglang_store(both_stores, tmp_path):
 
 def test_specforges_loader_reads_the_sglang_store(both_stores, tmp_path):
     """SpecForge's own loader reads the hand-off of the SGLang store (its post-norm final state is what SpecForge
-    trains on); through the model's lm_head it predicts the next output token as the model does."""
+    trains on); through the model's lm_head it predicts the next output token as the model does. speculators' hand-off,
+    which needs the pre-norm state SGLang cannot return, is refused in one line naming it."""
     from eagle3data.core.models import model_for
     from eagle3data.export.handoff import write_handoff
     from eagle3data.hidden.mix import read_mix
@@ -224,6 +225,9 @@ def test_specforges_loader_reads_the_sglang_store(both_stores, tmp_path):
 
     p, _ = both_stores["sglang"]
     samples = read_mix(hidden_dir(p)).samples
+    with pytest.raises(Exception, match="pre_norm") as refused:
+        write_handoff(p, samples, tmp_path / "speculators", "speculators")
+    assert "\n" not in str(refused.value)
     write_handoff(p, samples, tmp_path / "specforge", "specforge")
     ds = specforge_pre.build_offline_eagle3_dataset(str(tmp_path / "specforge" / "features"), max_len=4096)
     assert len(ds) == len(samples)
