@@ -210,9 +210,9 @@ def _cut_calls(body: list[int], tc: ToolCallTokens) -> list[list[int]] | None:
 class AuxLayers:
     """EAGLE-3 auxiliary layers in both conventions that name the same tensors.
 
-    `hf_indices` index HF `output_hidden_states` (index 0 = embeddings), as vLLM and SGLang
-    name them; `layer_outputs` are the decoder layers whose outputs they are (SpecForge hooks):
-    `hf_index = layer_output + 1`. The final normed state is stored after the three.
+    `hf_indices` index HF `output_hidden_states` (index 0 = embeddings), as vLLM names them and as
+    SGLang's defaults are; `layer_outputs` are the decoder layers whose outputs they are (SpecForge
+    hooks; SGLang's explicit layer ids for most models): `hf_index = layer_output + 1`. The final normed state is stored after the three.
     """
 
     num_layers: int
