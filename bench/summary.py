@@ -98,6 +98,9 @@ SPEC: list[Figure] = [
     Figure("hidden.storage_bytes", "04 int8/channel_rms storage, bytes per token of 5 states (`bench_hidden_storage.py`; "
            "its errors: docs/04)", "hidden_storage.json", "storages.int8/channel_rms.ratio_to_bf16",
            "bf16 storage of the same states", 0.52, better="lower"),
+    Figure("hidden.checksum", "04's content checksum of a shard (XXH3-128) against writing it (`bench_checksum.py`)",
+           "checksum.json", "checksum_over_write", "writing and fsyncing the same 256 MiB shard (`save_file`)", 0.2,
+           better="lower", rounds="checksum_over_write_per_round", load="load_average_at_start.0"),
     Figure("hidden.vllm", "04 through vLLM's CPU build, embedded mix, tokens/s (`bench_hidden_vllm.py`)",
            "hidden_vllm.json", "vllm_vs_hf_capture", "`hidden.backend: hf` in the same run", None,
            load="load_average_1_5_15.0"),
@@ -306,8 +309,8 @@ def table(summary: dict[str, Any]) -> str:
     lines += ["", f"Measured at commit `{summary['commit']}`, {summary['written_at']}, {summary['cpus']} CPUs; "
               f"1-minute load when each bench began: {', '.join(f'{x:g}' for x in loads) or 'not recorded'} "
               f"(at the summary: {summary['load_1_5_15'][0]:g})."]
-    part = summary.get("partial")
-    if part:  # some rows re-measured alone (one bench re-run for a change): say which, where and when
+    part = summary.get("partial") or []
+    for part in part if isinstance(part, list) else [part]:  # rows re-measured alone (one bench re-run for a change)
         lines[-1] += (f" Rows {', '.join(f'`{k}`' for k in part['rows'])} re-measured alone at commit `{part['commit']}`,"
                       f" {part['written_at']} (load {part['load_1_5_15'][0]:g}).")
     return "\n".join(lines) + "\n"

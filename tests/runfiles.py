@@ -103,3 +103,25 @@ def wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
     while not path.exists() or path.read_bytes().count(b"\n") < n:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
+
+
+def as_written(hdir: Path, *files: str | Path) -> None:
+    """Record store files a test rewrote (a planted engine fault) as 04 would have had it written those bytes: each
+    file's content checksum journaled and put in the index, so only the checks under test see the change (a file
+    changed after 04 wrote it fails its `checksum` instead: tests/test_verify_hidden.py)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3data.hidden.store.checksum import file_checksum, record
+
+    hdir = Path(hdir)
+    sums = {}
+    for f in files:
+        rel = Path(f).relative_to(hdir).as_posix() if Path(f).is_absolute() else Path(f).as_posix()
+        sums[rel] = file_checksum(hdir / rel)
+        record(hdir, 0, rel, sums[rel])
+    t = pq.read_table(hdir / "index.parquet")
+    if "checksum" in t.column_names:
+        col = [sums.get(s, c) for s, c in zip(t["shard"].to_pylist(), t["checksum"].to_pylist())]
+        t = t.set_column(t.column_names.index("checksum"), "checksum", pa.array(col, pa.string()))
+        pq.write_table(t, hdir / "index.parquet")

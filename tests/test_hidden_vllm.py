@@ -39,6 +39,7 @@ from eagle3data.hidden.engines.vllm_capture import final_norm, hidden_command, n
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loopback import LoopbackServer  # noqa: E402
+from runfiles import as_written  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 H = 576
@@ -262,6 +263,7 @@ def _scale_one_sample(p, key: str, layer: int, factor: float) -> None:
     a, n = int(row["offset"]), int(row["length"])
     t["hidden_states"][a:a + n, layer] = (t["hidden_states"][a:a + n, layer].float() * factor).to(torch.bfloat16)
     save_file(t, str(f), metadata=meta)
+    as_written(hidden_dir(p), f)  # as the engine wrote it (the recompute is under test, not the checksum)
 
 
 def test_verify_hidden_recomputes_a_vllm_store_through_the_server(fake_engine, vllm_params, monkeypatch):

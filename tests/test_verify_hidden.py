@@ -28,6 +28,7 @@ from eagle3data.hidden.verify.head import load_head
 from eagle3data.hidden.verify.command import BACKENDS, parse_recompute
 from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, verify_store
 from eagle3data.core.models import resolve_model_path
+from runfiles import as_written
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "runs" / "nbval"
@@ -133,6 +134,7 @@ def _mutate(p, change) -> None:
         n = files[s]["hidden_states"].shape[0]
         files[s]["hidden_states"] = hs[base[s]:base[s] + n].clone()
         save_file(files[s], str(hidden_dir(p) / s), metadata=meta)
+    as_written(hidden_dir(p), *shards)  # the fault as an engine writes it: its checksum is the file's
 
 
 def _prompt_len(mask, a, n):
@@ -327,6 +329,7 @@ def test_an_8bit_store_is_recomputed_within_its_own_step(tmp_path, monkeypatch, 
         t[name][a:a + n] = t[name][b:b + n]
         t[name][b:b + n] = x
     save_file(t, str(path), metadata=meta)
+    as_written(hidden_dir(p), path)
     failed = _failed(_verify(p, recompute="all"))
     assert set(failed) == {SAME_A, SAME_B} and all("recompute" in v for v in failed.values()), failed
 
@@ -693,3 +696,115 @@ def test_the_bench_verifies_a_linked_copy_and_leaves_the_run_as_it_was(clean, tm
     assert {f.name: f.read_bytes() for f in hdir.iterdir() if f.is_file()} == before
     assert (dst / "hidden" / "index.json").read_bytes() != before["index.json"]  # its own verified_at
 
+
+# ---------------------------------------------------------------------------- damaged files (issue 43 item 4)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The fixture run stored one sample per shard (a shard cap of 1 byte), 04's own verification passed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RANK", raising=False)
+        mp.delenv("WORLD_SIZE", raising=False)
+        p = _make_run(tmp_path_factory.mktemp("sharded"), **{"hidden.shard_bytes": 1, "hidden.verify_after": True})
+        res = run_extract(p, progress=False, model=_model(p))
+    assert res.merged and res.verification.ok and len(set(HiddenReader(hidden_dir(p)).index["shard"])) == 8
+    return p
+
+
+def _copy_sharded(p, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(p.run_dir, dst / p.run_name)
+    return load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
+                       {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.shard_bytes": 1})
+
+
+def test_04_records_a_content_checksum_per_file(sharded, tmp_path):
+    from eagle3data.hidden.store.checksum import JOURNAL_DIR, file_checksum, journaled
+
+    rd = HiddenReader(hidden_dir(sharded))
+    sums = rd.checksums()
+    assert rd.checksummed and rd.info["checksum"] == "xxh3_128" and len(sums) == 8
+    assert all(sums[f] == file_checksum(hidden_dir(sharded) / f) for f in sums)
+    assert journaled(hidden_dir(sharded)) == sums  # what the writers journaled, one line per file
+    # a file whose journal line was lost (a crash between its rename and the line) is hashed at the merge
+    p = _copy_sharded(sharded, tmp_path)
+    hdir = hidden_dir(p)
+    (journal,) = (hdir / JOURNAL_DIR).iterdir()
+    journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[1:]))
+    assert cli_main(["extract", str(REPO / "tests" / "fixtures" / "nbval.yaml"), "--merge-only",
+                     "-p", "output_root", str(p.output_root)]) == 0
+    assert HiddenReader(hdir).checksums() == sums
+
+
+def _shard_of(p, key):
+    rd = HiddenReader(hidden_dir(p))
+    return rd.index.iloc[rd.row(key)]["shard"]
+
+
+def test_a_truncated_shard_is_one_line_and_the_other_shards_are_judged(sharded, tmp_path, capsys):
+    p = _copy_sharded(sharded, tmp_path)
+    shard = _shard_of(p, TARGET)
+    path = hidden_dir(p) / shard
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # an interrupted copy
+    assert cli_main(["export", str(p.run_dir), "--format", "speculators", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: ") and TARGET in err[0], err
+    assert "Traceback" not in err[0] and not (tmp_path / "x" / "hidden_states").exists()
+    assert cli_main(["verify-hidden", str(p.run_dir), "--recompute", "0"]) == 1
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.out + cap.err
+    lines = cap.out.splitlines()
+    named = [x for x in lines if str(path) in x]
+    assert len(named) == 1 and "does not open (SafetensorError" in named[0] and TARGET in named[0], lines
+    rows = [orjson.loads(x) for x in (hidden_dir(p) / "verify.jsonl").read_bytes().splitlines()]
+    assert {r["key"]: r["failed"] for r in rows if r["failed"]} == {TARGET: ["readable"]}
+    judged = [r for r in rows if "log_rms" in r]
+    assert len(rows) == 8 and len(judged) == 7 and TARGET not in {r["key"] for r in judged}  # the others, judged
+
+
+@pytest.mark.parametrize("layout", ["shards", "speculators"])
+def test_4k_flipped_inside_a_file_fails_exactly_its_samples_by_checksum(sharded, tmp_path, monkeypatch, capsys,
+                                                                        layout):
+    if layout == "shards":
+        p = _copy_sharded(sharded, tmp_path)
+    else:  # a trainer's per-sample files: each its own checksum
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        p = _make_run(tmp_path, **{"hidden.layout": layout, "hidden.final_state": "pre_norm",
+                                   "hidden.verify_after": True})
+        assert run_extract(p, progress=False, model=_model(p)).verification.ok
+    path = hidden_dir(p) / _shard_of(p, TARGET)
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])  # bit rot, a bad copy: same size
+    path.write_bytes(bytes(data))
+    # 05 checks before it links or converts (the verification 04 recorded passed, before the damage)
+    assert cli_main(["export", str(p.run_dir), "--format", "speculators", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: checksum ") and TARGET in err[0], err
+    assert not (tmp_path / "x" / "hidden_states").exists()
+    res = _verify(p)
+    assert _failed(res) == {TARGET: ["checksum"]}, _failed(res)  # the statistical checks alone saw nothing
+    assert res.summary["checks"]["checksum"] == {**res.summary["checks"]["checksum"], "applicable": 8, "failed": 1}
+    (why,) = res.summary["file_problems"][_shard_of(p, TARGET)]
+    assert why.startswith(f"{path}: checksum ") and TARGET in why
+
+
+def test_a_store_written_before_checksums_is_read_and_said_not_checksummed(clean, tmp_path):
+    import pyarrow.parquet as pq
+
+    from eagle3data.hidden.store.checksum import JOURNAL_DIR
+
+    p = _copy(clean, tmp_path)
+    hdir = hidden_dir(p)
+    shutil.rmtree(hdir / JOURNAL_DIR)
+    t = pq.read_table(hdir / "index.parquet")
+    pq.write_table(t.drop_columns(["checksum"]), hdir / "index.parquet")
+    info = orjson.loads((hdir / "index.json").read_bytes())
+    (hdir / "index.json").write_bytes(orjson.dumps({k: v for k, v in info.items() if k != "checksum"}))
+    rd = HiddenReader(hdir)
+    assert not rd.checksummed and set(rd.checksums().values()) == {None}
+    res = _verify(p)
+    assert res.ok and res.summary["checks"]["checksum"]["applicable"] == 0
+    assert "; not checksummed (a store written before checksums)" in res.line()
+    assert "not checksummed" not in _verify(_copy(clean, tmp_path / "new")).line()

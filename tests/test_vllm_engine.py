@@ -38,6 +38,7 @@ from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import read_shard_meta, shard_dir
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.verify.command import verify_cli
+from runfiles import as_written
 from eagle3data.hidden.engines.vllm_capture import hidden_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,6 +191,7 @@ def test_verify_hidden_through_the_server_catches_a_changed_sample(both_stores, 
     a, n = int(row["offset"]), int(row["length"])
     t["hidden_states"][a:a + n, 1] = (t["hidden_states"][a:a + n, 1].float() * 1.01).to(torch.bfloat16)
     save_file(t, str(f), metadata=meta)
+    as_written(copy / "hidden", f)  # as the engine wrote it (the recompute is under test, not the checksum)
     capsys.readouterr()
     assert verify_cli(str(copy), recompute="all", positions=0, out=str(tmp_path / "bad.jsonl")) == 1
     bad = {r["key"]: r["failed"] for r in map(orjson.loads, (tmp_path / "bad.jsonl").read_bytes().splitlines())}

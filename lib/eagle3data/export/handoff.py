@@ -14,7 +14,10 @@ trainer's layout) the hand-off converts, which is a full second copy: `plan_hand
 many bytes each way needs, and `write_handoff` refuses a conversion the free disk cannot hold.
 
 The rows are exactly the samples handed in (the mix, in its order): each one must be in 04's
-index with the same input ids and loss mask, or the hand-off stops naming it.
+index with the same input ids and loss mask, or the hand-off stops naming it. Before anything is
+linked or converted every file of the store it uses is checked against the content checksum 04
+recorded (`store.checksum`): a file changed since (a bad copy, bit rot) or cut short stops it, in
+one line naming the file and its samples.
 """
 
 from __future__ import annotations
@@ -161,6 +164,9 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
             raise HandoffError(f"{str(s.key)}: not in 04's index at {hdir / INDEX_FILE} "
                                "(run 04 on this mix first)")
         rows.append(r)
+    for f in dict.fromkeys(reader.index["shard"].iloc[rows].tolist()):  # before anything is linked or converted
+        if why := reader.file_problem(f):  # its content checksum (a store written before checksums: it exists)
+            raise HandoffError(f"{why}: restore the file, or delete it and rerun 04 for its samples")
     if vocab is None:
         vocab = draft_vocab_for(samples, get_profile(params.profile).vocab_size, params.export.draft_vocab_size)
 

@@ -15,8 +15,12 @@ captures the states and hands them to the writers here):
   position in the mix, shard (file), offset, length, loss_tokens) and `index.json` (layers,
   states, sizes, skipped), the one index of the mix's samples in mix order (`index.write_index`).
 
+Each file's content checksum (XXH3-128) is journaled by its writer and kept in the index
+(`checksum`: verify-hidden and 05 check it; a store written before checksums is "not checksummed").
+
 One module per concern: `format` (the files' names, states and bytes per token, a file's own
-description, the store's errors), `writer` (shards or a trainer's per-sample files), `index` (the
+description, the store's errors), `checksum` (a file's content checksum, the writers' journal),
+`writer` (shards or a trainer's per-sample files), `index` (the
 finished files found on disk, the one index of the mix), `reader` (`HiddenReader`: a sample by key
 or row whatever the layout, or the whole store streamed), `validation` (`validate_store`: every
 sample re-read against the run's records, through the one reader).

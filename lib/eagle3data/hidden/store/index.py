@@ -13,6 +13,7 @@ from eagle3data.core.atomic import atomic_path, write_atomic
 from eagle3data.core.quant import StateCodec
 from eagle3data.core.reader import Sample, SampleKey
 from eagle3data.hidden.mix import tmp_tag
+from eagle3data.hidden.store.checksum import ALGORITHM, store_checksums
 from eagle3data.hidden.store.format import (INDEX_COLUMNS, INDEX_FILE, INFO_FILE, OLD_STATES, SHARD_SUFFIX, HiddenError,
                                            read_shard_meta, sample_dir, shard_dir, stored_bytes_per_token)
 from eagle3data.trainers.registry import trainer_for_suffix
@@ -122,8 +123,9 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
     """Write `index.parquet` (these rows) and `index.json` atomically; return the index frame.
 
     `run`: what was stored (model, profile, layers, states, final_state, layout, hidden_size,
-    dtype); `index.json` is `run`, the index's sizes and files, then `extra` (too long,
-    missing, duplicates, stale, the mix's fingerprint).
+    dtype); `index.json` is `run`, the index's sizes and files, the checksum's algorithm, then `extra`
+    (too long, missing, duplicates, stale, the mix's fingerprint). Each row's `checksum` is its file's
+    (`checksum.store_checksums`; no column for a store written before checksums).
     """
     import pandas as pd
     import pyarrow as pa
@@ -132,6 +134,9 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
     df = pd.DataFrame(rows, columns=INDEX_COLUMNS)
     df = df.astype({"turn": "Int32", "position": "int64", "offset": "int64", "length": "int64",
                     "loss_tokens": "int64"})
+    sums = store_checksums(hdir, sorted(set(df["shard"])))  # None: a store written before checksums
+    if sums is not None:
+        df["checksum"] = [sums[f] for f in df["shard"]]
     tag = tmp_tag()
     with atomic_path(hdir / INDEX_FILE, tmp_suffix=tag) as tmp:
         pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(tmp))
@@ -139,7 +144,7 @@ def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: di
         **run, "samples": int(len(df)), "tokens": int(df["length"].sum()), "loss_tokens": int(df["loss_tokens"].sum()),
         "bytes_per_token": stored_bytes_per_token(run),
         "shards": sorted(scan.shards), "shard_file_bytes": sum((hdir / s).stat().st_size for s in scan.shards),
-        **extra,
+        "checksum": ALGORITHM if sums is not None else None, **extra,
     }
     write_atomic(hdir / INFO_FILE, orjson.dumps(info, option=orjson.OPT_INDENT_2), tmp_suffix=tag)
     return df

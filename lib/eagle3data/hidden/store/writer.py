@@ -1,5 +1,6 @@
 """The store's writers: shards of many samples up to a size cap, or one file per sample in a trainer's own format
-(`open_writer` picks by `hidden.layout`); each written to a temporary name, fsynced, renamed."""
+(`open_writer` picks by `hidden.layout`); each written to a temporary name, fsynced, renamed, then its content
+checksum journaled (`checksum.record_file`, while its bytes are in the page cache)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import orjson
 from eagle3data.core.atomic import atomic_path
 from eagle3data.core.quant import StateCodec
 from eagle3data.core.reader import Sample
+from eagle3data.hidden.store.checksum import record_file
 from eagle3data.hidden.store.format import (SHARD_ID_MASK_BYTES, SHARD_SUFFIX, HiddenError, sample_dir, shard_dir,
                                            split_states)
 from eagle3data.trainers.base import Trainer
@@ -78,6 +80,7 @@ class ShardWriter:
         meta = {**self.info, "rank": self.rank, "samples": self.entries, "tokens": self.tokens}
         with atomic_path(self.dir / name, fsync=True) as tmp:  # the umask's mode: save_file alone makes it 0600
             save_file(tensors, str(tmp), metadata={"eagle3data": orjson.dumps(meta).decode()})
+        record_file(self.dir.parent, self.rank, self.dir / name)
         self.written.append(name)
         self.next_no += 1
         self._reset()
@@ -119,6 +122,7 @@ class SampleFileWriter:
         aux, finals = split_states(states, self.names)
         self.trainer.write_sample(self.dir / name, s.input_ids, s.loss_mask, aux, finals, meta,
                                   tmp_suffix=f".r{self.rank:03d}.tmp", storage=self.storage)
+        record_file(self.dir.parent, self.rank, self.dir / name)
         self.written.append(name)
 
     def flush(self) -> None:

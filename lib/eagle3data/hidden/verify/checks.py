@@ -82,6 +82,8 @@ CHECKS = {
     "mask_length": "as many ids and mask values as states",
     "source": "the sample is among the run's records",
     "recompute": "every stored layer equals a fresh forward of the target within the dtype's tolerance",
+    "readable": "the file holding the sample opens (not truncated)",
+    "checksum": "the file holding the sample has the content checksum 04 recorded when it wrote it",
 }
 
 

@@ -85,6 +85,8 @@ def verify_cli(run: str, *, recompute: str | None, positions: int | None, out: s
     res = verify_store(params, config=config, backend=make, recompute=per_shard,
                        positions=DEFAULT_POSITIONS if positions is None else positions, out=out)
     print(res.line())
+    for why in (w for ws in res.summary["file_problems"].values() for w in ws):
+        print(f"  FAIL {why}")
     for r in res.rows:
         if r["failed"]:
             print(f"  FAIL {r['key']}: {', '.join(r['failed'])}")

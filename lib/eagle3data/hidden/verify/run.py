@@ -114,6 +114,7 @@ class VerifyResult:
                   f"head at {s['head']['exact_positions']} output positions over the run"
                 + (f"; the output z of {s['out_z_run_only']} samples sampled hotter than temperature "
                    f"{SAMPLED_Z_MAX_TEMPERATURE:g} judged against the run alone" if s.get("out_z_run_only") else "")
+                + ("" if s.get("checksummed", True) else "; not checksummed (a store written before checksums)")
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
 
@@ -185,8 +186,9 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     outputs = ix["loss_tokens"].tolist() if "loss_tokens" in ix else ix["length"].tolist()
     exact = dict(zip(reader.keys(), exact_plan(ix["length"].tolist(), outputs, token_bytes, hidden, vocab, positions)))
     shape = (len(names), info["hidden_size"])
+    files: dict[str, dict[str, str]] = {}  # a file that does not open, or whose checksum is not the index's
     try:
-        for chunk, part in reader.chunks(CHUNK_BYTES):
+        for chunk, part in reader.chunks(CHUNK_BYTES, problems=files, checksums=True):
             hs_all, ids_all, mask_all = part["hidden_states"], part["input_ids"], part["loss_mask"]
             todo = []  # (row, sample) of the samples whose states have the store's shape: their figures at once
             for r in chunk:
@@ -231,6 +233,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
         if "_tag" in r:
             tag = r.pop("_tag")
             r.update(batch.figures((tag, "out"), "out") | batch.figures((tag, "prompt"), "prompt"))
+    _file_rows(rows, files, reader, greedy)
     if len(rows) != len(mix.samples) or reader.keys() != [str(s.key) for s in mix.samples]:
         store_problems.append({"key": "*", "check": "coverage",
                                "detail": f"{len(rows)} stored samples, {len(mix.samples)} in the mix: the index "
@@ -257,6 +260,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
         r["failed"] = sorted(set(failed))
     summary = _summary(rows, store_problems, info, picks, positions, with_profile, stats)
     summary["out_z_run_only"] = run_only
+    summary["checksummed"] = reader.checksummed  # False: a store written before checksums ("not checksummed")
+    summary["file_problems"] = {f: list(v.values()) for f, v in sorted(files.items())}
     summary["compute_dtype"] = compute  # the target's forward: its dtype sets the recompute's tolerance floor
     summary["seconds"] = round(time.perf_counter() - t0, 3)
     summary["recompute_seconds"] = round(recompute_s, 3)
@@ -268,6 +273,23 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     _write(hdir / SUMMARY_FILE, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _record_in_index(hdir, summary)
     return VerifyResult(hdir, rows, summary, lines, store_problems)
+
+
+def _file_rows(rows: list[dict[str, Any]], files: dict[str, dict[str, str]], reader: HiddenReader,
+               greedy: set[str]) -> None:
+    """The samples of each file with a problem fail its checks (`readable`, `checksum`) by name; a file that did not
+    open gave no rows, so its samples get theirs here (no figures)."""
+    by_key = {r["key"]: r for r in rows}
+    for file, probs in files.items():
+        for key in reader.file_keys(file):
+            r = by_key.get(key)
+            if r is None:
+                i = reader.row(key)
+                r = {"key": key, "position": int(reader.index.iloc[i]["position"]),
+                     "length": int(reader.index.iloc[i]["length"]), "greedy": key in greedy, "store": []}
+                rows.append(r)
+            r["store"] = r["store"] + list(probs)
+            r["file_problem"] = " | ".join(probs.values())
 
 
 def _shared_prefixes(rows: list[dict[str, Any]], pairs: Any, kept: dict[str, list[int]], norms: dict[str, Any],
@@ -302,7 +324,8 @@ def _summary(rows: list[dict[str, Any]], store_problems: list[dict[str, Any]], i
              picks: set[str], positions: int, with_profile: bool, stats: dict[str, Any]) -> dict[str, Any]:
     n = len(rows)
     judged = sum(1 for r in rows if "log_rms" in r)
-    applicable = {c: n for c in ("shape", "ids", "mask", "mask_length", "source")}
+    applicable = {c: n for c in ("shape", "ids", "mask", "mask_length", "source", "readable")}
+    applicable["checksum"] = n if info.get("checksum") else 0
     applicable |= {c: judged for c in ("finite", "flat_rows", "layer_duplicate", "final_kind")}
     applicable["head_logprob"] = sum(1 for r in rows if (r.get("out_exact_positions") or 0) >= EXACT_PER_SAMPLE)
     applicable["head_logit_z"] = sum(1 for r in rows if r.get("out_positions"))
