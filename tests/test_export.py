@@ -212,7 +212,7 @@ def test_cli_exports_and_reports(run_copy, tmp_path):
     assert m["draft_vocab"]["draft_vocab_size"] == 32000 and m["draft_vocab"]["target_vocab_size"] == VOCAB
     bad = subprocess.run([sys.executable, "-m", "eagle3data", "export", str(tmp_path / "nowhere"), "--format",
                           "speculators", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and "no records/ folder" in bad.stderr
+    assert bad.returncode == 2 and "no such run folder" in bad.stderr  # the run lock refuses it (hold_run create=False)
 
 
 def test_run_export_writes_both_formats_and_the_draft_vocab(ci_run, tmp_path):

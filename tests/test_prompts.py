@@ -35,8 +35,9 @@ def test_bad_lines_are_reported_with_file_line_and_reason_and_loading_continues(
 
 
 def test_builtin_sets_cover_the_eight_categories_and_sample_1601():
-    names = builtin_datasets()
-    assert len(names) == 8 and names[0] == "b1_glaive" and names[-1] == "b8_sweagent"
+    names = builtin_datasets()  # the eight demo categories, then 06's training set (v1_stdlib_tasks)
+    assert len(names) == 9 and names[0] == "b1_glaive" and names[7] == "b8_sweagent"
+    assert names[8] == "v1_stdlib_tasks" and len(load_prompts("builtin:v1_stdlib_tasks").prompts) == 2251
     for n in names:
         ps = load_prompts(f"builtin:{n}")
         assert ps.skipped == [] and len(ps.prompts) >= 3
