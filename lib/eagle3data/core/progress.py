@@ -206,3 +206,19 @@ class Progress:
         elif final or time.monotonic() - self._last_print > self.every_s:
             self._last_print = time.monotonic()
             print(line, file=sys.stderr, flush=True)
+
+
+def capture_line(head: str, tokens: int, total_tokens: int, failed: int, in_flight: int, elapsed: float,
+                 *, final: bool = False, stop_reason: str | None = None) -> tuple[str, float | None]:
+    """04's line while an engine captures (vLLM, SGLang's passes): `head` (samples done), tokens against the
+    plan, rate, failures, requests in flight, elapsed, ETA; and the rate it shows (tokens/s, None before any)."""
+    rate = tokens / elapsed if elapsed > 0 and tokens else None
+    parts = [head, f"{fmt_tokens(tokens)}/{fmt_tokens(total_tokens)} tok"]
+    if rate:
+        parts.append(f"{rate:,.0f} tok/s")
+    parts += [f"failed {failed}", f"in flight {in_flight}", f"elapsed {fmt_duration(elapsed)}"]
+    if not final and rate:
+        parts.append(f"ETA {fmt_duration((total_tokens - tokens) / rate)}")
+    if stop_reason:
+        parts.append(f"stopped: {stop_reason}")
+    return " · ".join(parts), rate

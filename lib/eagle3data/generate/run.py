@@ -147,6 +147,18 @@ def _run_async(coro: Any) -> Any:
     return loop.run_until_complete(coro)
 
 
+def run_engine(engine: Any) -> Any:
+    """Run an HTTP `Engine` to its end with SIGINT/SIGTERM asking it to stop gracefully (01, and 04's engine
+    captures), from plain Python or a notebook cell."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        with _stop_signals(lambda signum, frame: loop.call_soon_threadsafe(engine.on_signal, signum)):
+            return await engine.run()
+
+    return _run_async(main())
+
+
 def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, progress: bool):
     g = params.generate
     if g.backend == "sglang":
@@ -182,12 +194,7 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
                     progress=progress, prepare=_preparer(params, tokenizer, profile),
                     follow=_follower(params, plan.ledger, tokenizer, profile) if plan.conversations else None)
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        with _stop_signals(lambda signum, frame: loop.call_soon_threadsafe(engine.on_signal, signum)):
-            return await engine.run()
-
-    return _run_async(main())
+    return run_engine(engine)
 
 
 @contextlib.contextmanager

@@ -40,14 +40,13 @@ import orjson
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers, get_profile
-from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
+from eagle3data.core.progress import Progress, capture_line
 from eagle3data.generate.backends.engine import Engine, EngineSettings, GenerateError, Job, record_dict
 from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.sglang import SGLangBackend
 from eagle3data.generate.backends.sglang_server import SGLangServer, sglang_command
 from eagle3data.generate.ledger import DatasetLedger, write_ledger
-from eagle3data.generate.run import _run_async
-from eagle3data.generate.signals import _stop_signals
+from eagle3data.generate.run import run_engine
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import AUX_NAMES, HiddenError, state_names
 
@@ -290,32 +289,14 @@ class PassEngine(Engine):
         os.replace(self.hdir / "ledger.json", self.hdir / f"sglang_{self.kind}_ledger.json")
 
     def _show(self, final: bool = False) -> None:
-        elapsed = time.monotonic() - self._t0
-        rate = self.tokens / elapsed if elapsed > 0 and self.tokens else None
         n = sum(v.planned for v in self.ledger.values())
-        parts = [f"extract sglang {self.kind} pass {self.done:,}/{n:,} samples",
-                 f"{fmt_tokens(self.tokens)}/{fmt_tokens(self.total_tokens)} tok"]
-        if rate:
-            parts.append(f"{rate:,.0f} tok/s")
-        parts += [f"failed {len(self.failures)}", f"in flight {self.in_flight_requests}",
-                  f"elapsed {fmt_duration(elapsed)}"]
-        if not final and rate:
-            parts.append(f"ETA {fmt_duration((self.total_tokens - self.tokens) / rate)}")
-        if self.stop_reason:
-            parts.append(f"stopped: {self.stop_reason}")
-        self.progress.update(" · ".join(parts), final=final, figures={
+        line, rate = capture_line(f"extract sglang {self.kind} pass {self.done:,}/{n:,} samples", self.tokens,
+                                  self.total_tokens, len(self.failures), self.in_flight_requests,
+                                  time.monotonic() - self._t0, final=final, stop_reason=self.stop_reason)
+        self.progress.update(line, final=final, figures={
             "samples": n, "extracted": self.done if self.kind == "final" else 0, "staged": self.done,
             "pass": self.kind, "failed": len(self.failures), "tokens": self.tokens,
             "planned_tokens": self.total_tokens, "tokens_per_s": rate})
-
-
-def _run_pass(engine: PassEngine) -> Any:
-    async def main():
-        loop = asyncio.get_running_loop()
-        with _stop_signals(lambda signum, frame: loop.call_soon_threadsafe(engine.on_signal, signum)):
-            return await engine.run()
-
-    return _run_async(main())
 
 
 @contextlib.contextmanager
@@ -355,7 +336,7 @@ def capture_sglang(params: RunParams, todo: list[tuple[int, Any]], writer: Any, 
         with _server(params, aux_command(params, layers, config), s.base_url, progress) as url:
             eng = PassEngine(params, aux_jobs, kind="aux", base_url=url, hidden_size=hsize, store_dtype=dtype,
                              layer_ids=sglang_layer_ids(layers, config), progress=progress)
-            res = _run_pass(eng)
+            res = run_engine(eng)
         cpu += res.cpu_s
         fails += eng.failures
         stop_reason = res.stop_reason
@@ -367,7 +348,7 @@ def capture_sglang(params: RunParams, todo: list[tuple[int, Any]], writer: Any, 
             eng = PassEngine(params, final_jobs, kind="final", base_url=url, hidden_size=hsize, store_dtype=dtype,
                              writer=writer, progress=progress)
             try:
-                res = _run_pass(eng)
+                res = run_engine(eng)
             finally:
                 writer.flush()  # the shard in progress is written, stopped or not
         cpu += res.cpu_s

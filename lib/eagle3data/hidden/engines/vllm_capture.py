@@ -35,7 +35,7 @@ import orjson
 
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers, get_profile
-from eagle3data.core.progress import Progress, fmt_duration, fmt_tokens
+from eagle3data.core.progress import Progress, capture_line
 from eagle3data.core.reader import Sample
 from eagle3data.core.models import text_config
 from eagle3data.hidden.norms import known_norm_kind, norm_eps, read_final_norm, rms_norm
@@ -44,8 +44,7 @@ from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.vllm import VLLMBackend, completion_choices
 from eagle3data.generate.backends.vllm_server import EngineCommand, VLLMServer, model_dir, server_command
 from eagle3data.generate.ledger import DatasetLedger, write_ledger
-from eagle3data.generate.run import _run_async
-from eagle3data.generate.signals import _stop_signals
+from eagle3data.generate.run import run_engine
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import AUX_NAMES, HiddenError, state_names
 
@@ -365,20 +364,11 @@ class HiddenEngine(Engine):
         os.replace(self.hdir / "ledger.json", self.hdir / "vllm_ledger.json")
 
     def _show(self, final: bool = False) -> None:
-        elapsed = time.monotonic() - self._t0
-        rate = self.tokens / elapsed if elapsed > 0 and self.tokens else None
         n = sum(v.planned for v in self.ledger.values())
-        parts = [f"extract vllm {self.extracted:,}/{n:,} samples", f"{fmt_tokens(self.tokens)}/"
-                 f"{fmt_tokens(self.total_tokens)} tok"]
-        if rate:
-            parts.append(f"{rate:,.0f} tok/s")
-        parts += [f"failed {len(self.failures)}", f"in flight {self.in_flight_requests}",
-                  f"elapsed {fmt_duration(elapsed)}"]
-        if not final and rate:
-            parts.append(f"ETA {fmt_duration((self.total_tokens - self.tokens) / rate)}")
-        if self.stop_reason:
-            parts.append(f"stopped: {self.stop_reason}")
-        self.progress.update(" · ".join(parts), final=final, figures={
+        line, rate = capture_line(f"extract vllm {self.extracted:,}/{n:,} samples", self.tokens, self.total_tokens,
+                                  len(self.failures), self.in_flight_requests, time.monotonic() - self._t0,
+                                  final=final, stop_reason=self.stop_reason)
+        self.progress.update(line, final=final, figures={
             "samples": n, "extracted": self.extracted, "failed": len(self.failures), "tokens": self.tokens,
             "planned_tokens": self.total_tokens, "tokens_per_s": rate})
 
@@ -394,14 +384,9 @@ def capture_vllm(params: RunParams, todo: list[tuple[int, Sample]], writer: Any,
         engine = HiddenEngine(params, jobs, base_url=base_url, writer=writer, hidden_size=stats["hidden_size"],
                               norm=norm, done_keys=set(), progress=progress)
 
-        async def main():
-            loop = asyncio.get_running_loop()
-            with _stop_signals(lambda signum, frame: loop.call_soon_threadsafe(engine.on_signal, signum)):
-                return await engine.run()
-
         t0 = time.perf_counter()
         try:
-            res = _run_async(main())
+            res = run_engine(engine)
         finally:
             writer.flush()  # the shard in progress is written, stopped or not
         stats["seconds"] = round(time.perf_counter() - t0, 3)
