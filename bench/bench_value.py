@@ -57,10 +57,10 @@ def model_alone(p, ids, rows, cfg) -> float:
     import torch
     from speculators.losses import resolve_loss_config
 
-    from eagle3data.value.run import _model_dir
+    from eagle3data.generate.backends.vllm_server import model_dir  # the folder the engine serves
     from eagle3data.value.train import _loader, build_draft
 
-    draft = build_draft(_model_dir(p), p.run_dir / "export" / "speculators", ids, cfg)
+    draft = build_draft(model_dir(p), p.run_dir / "export" / "speculators", ids, cfg)
     loader, sampler = _loader(p.run_dir / "export" / "speculators", rows, 576, cfg)
     sampler.set_epoch(0)
     batches = []
@@ -83,11 +83,11 @@ def model_alone(p, ids, rows, cfg) -> float:
 
 
 def ours(p, ids, rows, cfg, out: Path) -> tuple[float, Path]:
-    from eagle3data.value.run import _model_dir
+    from eagle3data.generate.backends.vllm_server import model_dir  # the folder the engine serves
     from eagle3data.value.train import train_draft
 
     shutil.rmtree(out, ignore_errors=True)
-    res = train_draft(p.run_dir / "export" / "speculators", _model_dir(p), ids, out, cfg, rows, say=lambda s: None)
+    res = train_draft(p.run_dir / "export" / "speculators", model_dir(p), ids, out, cfg, rows, say=lambda s: None)
     return res.train_tokens / res.seconds, res.draft_dir
 
 

@@ -54,9 +54,9 @@ def trained(handoff, tmp_path_factory):
     p = handoff
     out = tmp_path_factory.mktemp("draft")
     ids = layer_ids_of_store(p.run_dir / "hidden")
-    from eagle3data.value.run import _model_dir
+    from eagle3data.generate.backends.vllm_server import model_dir  # the folder the engine serves
 
-    res = train_draft(p.run_dir / "export" / "speculators", _model_dir(p), ids, out,
+    res = train_draft(p.run_dir / "export" / "speculators", model_dir(p), ids, out,
                       TrainConfig(epochs=3, total_seq_len=512, checkpoint_every=2), list(range(4)), say=lambda s: None)
     return p, res
 
@@ -160,15 +160,15 @@ def test_the_drafts_layers_are_the_stores_own_and_a_draft_on_other_layers_is_ref
 
 def test_training_resumes_from_its_checkpoint_to_the_same_draft(handoff, trained, tmp_path):
     p, res = trained
-    from eagle3data.value.run import _model_dir
+    from eagle3data.generate.backends.vllm_server import model_dir  # the folder the engine serves
 
     ids = layer_ids_of_store(p.run_dir / "hidden")
     cfg = TrainConfig(epochs=3, total_seq_len=512, checkpoint_every=2)
     ho = p.run_dir / "export" / "speculators"
-    first = train_draft(ho, _model_dir(p), ids, tmp_path, TrainConfig(**{**cfg.__dict__, "max_steps": 2}),
+    first = train_draft(ho, model_dir(p), ids, tmp_path, TrainConfig(**{**cfg.__dict__, "max_steps": 2}),
                         list(range(4)), say=lambda s: None)
     assert first.steps == 2 and (tmp_path / "checkpoint.pt").exists()
-    full = train_draft(ho, _model_dir(p), ids, tmp_path, cfg, list(range(4)), say=lambda s: None)
+    full = train_draft(ho, model_dir(p), ids, tmp_path, cfg, list(range(4)), say=lambda s: None)
     assert full.steps == res.steps and [r["loss"] for r in full.log] == pytest.approx([r["loss"] for r in res.log],
                                                                                       rel=1e-4)
 

@@ -22,13 +22,14 @@ from typing import Any, Callable, Sequence
 
 from eagle3data.audit.report import render_report
 from eagle3data.core.atomic import write_atomic
-from eagle3data.core.models import EMBEDDED_PREFIX, resolve_model_path, tokenizer_for
+from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.progress import Progress
 from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
+from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.value.engine import serve
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
@@ -65,12 +66,6 @@ class ValuePlan:
                             + [{"evaluation set": "(training rows)", "prompts": len(self.train_rows)}])
 
 
-def _model_dir(params: RunParams) -> Path:
-
-    p = params.model.path
-    return Path(resolve_model_path(p)) if p.startswith(EMBEDDED_PREFIX) else Path(p).expanduser()
-
-
 def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
     """What 06 will train and evaluate on; refuses a missing hand-off, unknown variants and any leak."""
 
@@ -103,7 +98,7 @@ def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
     problems = leak_problems(evals, train_keys, {k: by_key.get(k, {}) for k in train_keys}, str(info_path))
     if problems:
         raise ValueStageError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-    return ValuePlan(run_dir, handoff, _model_dir(params), layer_ids, evals, rows, train_keys,
+    return ValuePlan(run_dir, handoff, Path(model_dir(params)), layer_ids, evals, rows, train_keys,
                      len(keys) - len(rows), list(params.value.variants),
                      {"ok": True, "by_key": True, "by_text": True, "held_out_conversations": len(held_convs),
                       "excluded_rows": len(keys) - len(rows), "humaneval": sum(e.dataset == "humaneval" for e in evals)})

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.hidden.store.format import INFO_FILE
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
@@ -81,7 +82,7 @@ class TrainResult:
 def layer_ids_of_store(hidden_dir: Path) -> list[int]:
     """The aux layers the store holds, in vLLM's/speculators' convention (HF `hidden_states` indices), from
     `hidden/index.json` (`hf_indices`), the one record of the plan 04 captured with."""
-    index = Path(hidden_dir) / "index.json"
+    index = Path(hidden_dir) / INFO_FILE
     try:
         info = json.loads(index.read_text(encoding="utf-8"))
     except FileNotFoundError:
