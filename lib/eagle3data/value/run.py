@@ -129,7 +129,8 @@ def _eval_rows_path(run_dir: Path) -> Path:
     return run_dir / "value" / "eval_prompts.jsonl"
 
 
-def reference_continuations(params: RunParams, plan: ValuePlan, say: Callable[[str], None]) -> list[list[int]]:
+def reference_continuations(params: RunParams, plan: ValuePlan, say: Callable[[str], None],
+                            model: Any = None) -> list[list[int]]:
     """The target's greedy ids for every evaluation prompt: the plain vLLM server's (kept in value/reference.jsonl)."""
 
     ev = params.value.eval
@@ -146,18 +147,16 @@ def reference_continuations(params: RunParams, plan: ValuePlan, say: Callable[[s
         outs = [s.ids for s in served]
         secs = [s.seconds for s in served]
     else:
-        outs, secs, info = _hf_greedy(params, plan, ev.max_new_tokens), [None] * len(plan.evals), {}
+        outs, secs, info = _hf_greedy(model, plan, ev.max_new_tokens), [None] * len(plan.evals), {}
     write_atomic(path, "".join(json.dumps(w | {"output_ids": o, "seconds": s}) + "\n"
                                for w, o, s in zip(want, outs, secs)).encode())
     write_atomic(plan.run_dir / "value" / "plain_serving.json", json.dumps(info, indent=1).encode())
     return outs
 
 
-def _hf_greedy(params: RunParams, plan: ValuePlan, max_new: int) -> list[list[int]]:
+def _hf_greedy(model: Any, plan: ValuePlan, max_new: int) -> list[list[int]]:
     import torch
 
-
-    model = load_extract_model(params)
     outs = []
     for e in plan.evals:
         with torch.inference_mode():
@@ -272,9 +271,10 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
     vdir.mkdir(parents=True, exist_ok=True)
     write_atomic(_eval_rows_path(plan.run_dir), "".join(json.dumps(e.row()) + "\n" for e in plan.evals).encode())
     t0 = time.monotonic()
-    refs = reference_continuations(params, plan, say)
+    model = None if params.value.eval.engine else load_extract_model(params)  # without an engine: loaded once
+    refs = reference_continuations(params, plan, say, model)
     seqs = [EvalSeq(e.dataset, e.sample_id, len(e.prompt_ids), e.prompt_ids + r) for e, r in zip(plan.evals, refs)]
-    model = load_extract_model(params)
+    model = model if model is not None else load_extract_model(params)
     layers = layer_plan(params, load_config(params))
     if list(layers.hf_indices) != plan.layer_ids:
         raise ValueStageError(f"{plan.run_dir / 'hidden' / 'index.json'}: the store's layers {plan.layer_ids} are not "
@@ -314,9 +314,6 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
 
 def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
     """The curves as PNG beside the summary, and the run's report.html re-rendered with 06's section."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     for name, fig in (("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))):

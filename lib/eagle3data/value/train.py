@@ -242,7 +242,7 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
                         s.step()
                     step += 1
                     tokens += n_tok
-                    row = {"step": step, "epoch": epoch, "loss": round(float(loss), 5), "tokens": tokens,
+                    row = {"step": step, "epoch": epoch, "loss": round(loss.item(), 5), "tokens": tokens,
                            "lr": scheds[0].get_last_lr()[0]}
                     for k in range(cfg.ttt_steps):
                         tot = float(metrics[f"full_acc_{k}_total"])
