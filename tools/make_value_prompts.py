@@ -6,6 +6,10 @@ kind the held-out benchmark (HumanEval) asks about (short Python). The standard 
 names with a docstring are such a source, on every machine, and none of them is a HumanEval problem
 (the leak check of 06 proves it by text). The file is committed; this script is how it was made
 (`python tools/make_value_prompts.py`, CPython 3.11: another version lists other names).
+
+Each prompt carries the dataset's own reply in `meta.reference_reply` (never sent; records keep it), written
+from the name's documentation (signature, docstring): the text 06's `dataset_replies` variant trains on in
+place of the target's outputs (what a user who skips 01 trains on: replies another writer made, not the target).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -39,9 +44,19 @@ def _first_line(obj) -> str | None:
     return line
 
 
+def _reply(q: str, sig: str, obj) -> str:
+    """The documentation's answer about `q`: its signature and up to three paragraphs of its docstring."""
+    doc = inspect.getdoc(obj) or ""
+    paras = [" ".join(x.split()) for x in doc.split("\n\n") if x.strip()][:3]
+    body = "\n\n".join(paras)
+    if len(body) > 1200:
+        body = body[:1200].rsplit(" ", 1)[0] + " ..."
+    return f"`{q}{sig}`\n\n{body}"
+
+
 def _signature(obj) -> str:
-    try:
-        return str(inspect.signature(obj))
+    try:  # a default's repr may hold a memory address: dropped, so that every run writes the same file
+        return re.sub(r" at 0x[0-9a-f]+", "", str(inspect.signature(obj)))
     except (TypeError, ValueError):
         return "(...)"
 
@@ -69,9 +84,10 @@ def main() -> None:
             seen.add(q)
             what = doc[0].lower() + doc[1:].rstrip(".")
             pick = int(hashlib.sha256(q.encode()).hexdigest(), 16) % len(TEMPLATES)
-            text = TEMPLATES[pick].format(q=q, sig=_signature(obj), what=what, doc=doc, mod=mod_name)
+            sig = _signature(obj)
+            text = TEMPLATES[pick].format(q=q, sig=sig, what=what, doc=doc, mod=mod_name)
             rows.append({"sample_id": f"{mod_name}.{name}", "messages": [{"role": "user", "content": text}],
-                         "meta": {"module": mod_name, "template": pick}})
+                         "meta": {"module": mod_name, "template": pick, "reference_reply": _reply(q, sig, obj)}})
     OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     print(f"{len(rows)} prompts from {len({r['meta']['module'] for r in rows})} modules -> {OUT}")
 

@@ -80,13 +80,38 @@ def value_html(run_dir: Path) -> str:
                         f"</td><td>{pos}</td><td>{f['lossless']}</td></tr>")
     imgs = "".join(f'<img style="max-width:48%" alt="{n}" src="data:image/png;base64,'
                    f'{base64.b64encode((path.parent / n).read_bytes()).decode()}">'
-                   for n in ("tau_positions.png", "train_loss.png") if (path.parent / n).exists())
+                   for n in ("tau_diff.png", "tau_positions.png", "train_loss.png") if (path.parent / n).exists())
+    diffs = []
+    for v in s["variants"]:
+        d = v.get("diff_to_exact")
+        if not d:
+            continue
+        de, do = d.get("tau_engine_ci95") or ["", ""], d.get("tau_offline_ci95") or ["", ""]
+        note = ("significant" if d.get("significant") else
+                f"not significant; ~{d['eval_tokens_to_resolve']:,} eval tokens would resolve it"
+                if d.get("eval_tokens_to_resolve") else "not significant")
+        vh = v.get("verify_hidden") or {}
+        if "exit" in vh:
+            note += f"; verify-hidden exit {vh['exit']} ({vh.get('failed_samples')} of {vh.get('samples')} failed)"
+        diffs.append(f"<tr><td>{html.escape(v['variant'])}</td><td>{html.escape(v.get('about') or '')}</td>"
+                     f"<td><b>{d.get('tau_engine')}</b> ({de[0]}–{de[1]})</td><td>{d.get('tau_offline')} "
+                     f"({do[0]}–{do[1]})</td><td>{html.escape(note)}</td></tr>")
+    ablation = ""
+    if diffs:
+        ablation = ("<h3>Each variant against exact</h3><p>τ(variant) − τ(exact), paired over the same evaluation "
+                    "prompts and pooled over the evaluation sets, 95% bootstrap intervals; every draft trained with "
+                    "the same budget, seed and config.</p><table><tr><th>variant</th><th>its data</th>"
+                    f"<th>Δτ engine (95%)</th><th>Δτ offline (95%)</th><th></th></tr>{''.join(diffs)}</table>")
+    sd = s.get("storage_decision")
+    if sd:
+        ablation += (f"<p><b>Storage default</b> by layout: {html.escape(', '.join(f'{k} {v}' for k, v in sd['default'].items()))}"
+                     f". Rule: {html.escape(sd['rule'])}.</p>")
     return (f"<h2>06 · What the data is worth</h2><p>A draft trained on this run's hand-off; acceptance length τ "
             f"(tokens per verification step, the bonus token included) with k = {k} drafts, greedy, 95% intervals "
             "over prompts. Engine: vLLM's speculative decoding (lossless: its ids equal plain greedy ids). Offline: "
             "every output position as an anchor, from the target's own states.</p>"
             "<table><tr><th>variant</th><th>evaluation set</th><th>prompts</th><th>τ engine (95%)</th>"
-            f"<th>τ offline (95%)</th><th>per position</th><th>lossless</th></tr>{''.join(rows)}</table>{imgs}")
+            f"<th>τ offline (95%)</th><th>per position</th><th>lossless</th></tr>{''.join(rows)}</table>{ablation}{imgs}")
 
 
 def _verify_summary(run_dir: Path) -> dict[str, Any] | None:

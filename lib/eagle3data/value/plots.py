@@ -22,22 +22,71 @@ def tau_table(summary: dict[str, Any]) -> Any:
     return pd.DataFrame(rows)
 
 
-def position_figure(summary: dict[str, Any]) -> Any:
+def diff_table(summary: dict[str, Any]) -> Any:
+    """Each variant against exact: Δτ paired over the same prompts, pooled over the evaluation sets, with intervals."""
+    import pandas as pd
+
+    rows = []
+    for v in summary["variants"]:
+        d = v.get("diff_to_exact")
+        if not d:
+            continue
+        ce, co = d.get("tau_engine_ci95") or [None, None], d.get("tau_offline_ci95") or [None, None]
+        vh = v.get("verify_hidden") or {}
+        rows.append({"variant": v["variant"], "its data": v.get("about"),
+                     "Δτ engine": d.get("tau_engine"), "engine 95%": f"{ce[0]}–{ce[1]}" if ce[0] is not None else "",
+                     "Δτ offline": d.get("tau_offline"), "offline 95%": f"{co[0]}–{co[1]}" if co[0] is not None else "",
+                     "significant": d.get("significant"), "eval tokens to resolve": d.get("eval_tokens_to_resolve"),
+                     "verify-hidden exit": vh.get("exit")})
+    return pd.DataFrame(rows)
+
+
+def diff_figure(summary: dict[str, Any]) -> Any:  # None when only exact ran
+    """Δτ to exact per variant with its 95% interval (engine where measured, else offline); 0 is exact."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    for v in summary["variants"]:
-        for ds, f in v["per_dataset"].items():
-            ks = range(1, len(f["per_position"]) + 1)
-            ax.plot(ks, f["per_position"], marker="o", label=f"{v['variant']} · {ds} (offline)")
-            if f.get("per_position_engine"):
-                ax.plot(ks, f["per_position_engine"], marker="x", linestyle="--", label=f"{v['variant']} · {ds} (engine)")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(first k drafts accepted)")
-    ax.set_ylim(0, 1)
-    ax.set_xticks(list(ks))
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title("Acceptance by draft position")
+    vs = [v for v in summary["variants"] if v.get("diff_to_exact")]
+    if not vs:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(vs) + 1.2))
+    for i, v in enumerate(vs):
+        d = v["diff_to_exact"]
+        kind = "engine" if d.get("tau_engine") is not None else "offline"
+        est, ci = d[f"tau_{kind}"], d[f"tau_{kind}_ci95"]
+        if est is None:
+            continue
+        ax.errorbar([est], [i], xerr=[[est - ci[0]], [ci[1] - est]], fmt="o", capsize=3,
+                    color="C3" if d.get("significant") and est < 0 else "C0")
+    ax.axvline(0, color="grey", linewidth=1)
+    ax.set_yticks(range(len(vs)), [v["variant"] for v in vs])
+    ax.invert_yaxis()
+    ax.set_xlabel("τ(variant) − τ(exact), 95% interval, paired over prompts")
+    ax.set_title("What each guarantee is worth")
+    fig.tight_layout()
+    return fig
+
+
+def position_figure(summary: dict[str, Any]) -> Any:
+    """P(first k drafts accepted) per variant, one panel per evaluation set (engine where measured, else offline)."""
+    import matplotlib.pyplot as plt
+
+    sets = list(summary["variants"][0]["per_dataset"])
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets) + 1.8, 3.4), squeeze=False, sharey=True)
+    for ax, ds in zip(axes[0], sets):
+        for v in summary["variants"]:
+            f = v["per_dataset"].get(ds)
+            if not f:
+                continue
+            pos, kind = (f["per_position_engine"], "engine") if f.get("per_position_engine") else (f["per_position"], "offline")
+            ks = list(range(1, len(pos) + 1))
+            ax.plot(ks, pos, marker="o", label=v["variant"])
+            ax.set_xticks(ks)
+        ax.set_title(f"{ds} ({kind})", fontsize=9)
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("P(first k drafts accepted)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle("Acceptance by draft position", fontsize=10)
     fig.tight_layout()
     return fig
 

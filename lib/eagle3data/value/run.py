@@ -33,14 +33,16 @@ from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.value.engine import serve
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
-from eagle3data.value.plots import loss_figure, position_figure
+from eagle3data.value.plots import diff_figure, loss_figure, position_figure
 from eagle3data.value.train import (TrainConfig, TrainingStopped, TrainResult, ValueStageError, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft)
+from eagle3data.value.variants import VARIANTS, VariantData, variant_data
 
 HANDOFF = Path("export") / "speculators"
-VARIANTS = {"exact": "the run's hand-off as it is (exact ids, verified states)",
-            "half": "the same hand-off, the first half of its training rows (how far from saturation)"}
 BOOTSTRAP = 2000
+# The storage rule (docs/04, docs/06): an 8-bit storage becomes a layout's default only when the 95% interval of its
+# engine-τ difference to `exact` proves it loses at most this share of exact's τ (its lower bound >= -share x τ).
+MAX_STORAGE_LOSS = 0.01
 
 
 @dataclass
@@ -122,6 +124,86 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], seed: int = 0) -> tuple
     return round(est, 4), [round(boots[int(0.025 * BOOTSTRAP)], 4), round(boots[int(0.975 * BOOTSTRAP) - 1], 4)]
 
 
+def _per_prompt(vdir: Path, variant: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (vdir / variant / "per_prompt.jsonl").read_text(encoding="utf-8").splitlines() if x]
+
+
+def paired_diff(base: Sequence[tuple[float, float]], other: Sequence[tuple[float, float]],
+                seed: int = 0) -> tuple[float | None, list[float] | None]:
+    """τ(other) − τ(base), each 1 + Σaccepted/Σsteps over the same prompts, with a 95% bootstrap interval that
+    resamples prompts jointly (paired: a prompt easy for one draft is easy for the other)."""
+    pairs = [(a, b) for a, b in zip(base, other) if a[1] and b[1]]
+    if not pairs:
+        return None, None
+
+    def d(ps: Sequence[tuple[tuple[float, float], tuple[float, float]]]) -> float:
+        return sum(b[0] for _, b in ps) / sum(b[1] for _, b in ps) - sum(a[0] for a, _ in ps) / sum(a[1] for a, _ in ps)
+
+    rng = random.Random(seed)
+    boots = sorted(d([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(BOOTSTRAP))
+    return round(d(pairs), 4), [round(boots[int(0.025 * BOOTSTRAP)], 4), round(boots[int(0.975 * BOOTSTRAP) - 1], 4)]
+
+
+def diff_to_exact(vdir: Path, variant: str, seed: int = 0) -> dict[str, Any]:
+    """A variant's τ difference to `exact`, engine and offline, paired over the same evaluation prompts, pooled over
+    the evaluation datasets; where the interval holds 0, how many evaluation tokens would resolve the difference
+    (the interval narrows as 1/√tokens)."""
+    ex, va = _per_prompt(vdir, "exact"), _per_prompt(vdir, variant)
+    if [(p["dataset"], p["sample_id"]) for p in ex] != [(p["dataset"], p["sample_id"]) for p in va]:
+        raise ValueStageError(f"{vdir / variant / 'per_prompt.jsonl'}: not the evaluation prompts of exact's")
+    out: dict[str, Any] = {"prompts": len(ex)}
+    for kind, num, den in (("engine", "engine_accepted", "engine_steps"), ("offline", "offline_accepted", "anchors")):
+        if any(p[num] is None for p in ex + va):
+            out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = None, None
+            continue
+        est, ci = paired_diff([(p[num], p[den]) for p in ex], [(p[num], p[den]) for p in va], seed)
+        out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = est, ci
+    ref = _eval_tokens(vdir)
+    out["eval_tokens"] = ref
+    est, ci = (out["tau_engine"], out["tau_engine_ci95"]) if out.get("tau_engine") is not None else \
+        (out["tau_offline"], out["tau_offline_ci95"])
+    out["significant"] = bool(ci) and (ci[0] > 0 or ci[1] < 0)
+    half = (ci[1] - ci[0]) / 2 if ci else None
+    out["eval_tokens_to_resolve"] = (None if out["significant"] or not est or not half
+                                     else int(ref * (half / abs(est)) ** 2) + 1)
+    return out
+
+
+def _eval_tokens(vdir: Path) -> int:
+    path = vdir / "reference.jsonl"
+    return sum(len(json.loads(x)["output_ids"]) for x in path.read_text(encoding="utf-8").splitlines() if x) \
+        if path.exists() else 0
+
+
+STORAGE_OF = {"int8": ("shards", "int8", "channel_rms"), "fp8": ("speculators", "fp8_e4m3", "token")}
+
+
+def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
+    """The default `hidden.storage` per layout from the table, by the written rule (MAX_STORAGE_LOSS)."""
+    by = {v["variant"]: v for v in summary["variants"]}
+    ex = by["exact"]["per_dataset"]
+    kind = "engine" if all(f["tau_engine"] is not None for f in ex.values()) else "offline"
+    # exact's τ pooled over the evaluation datasets, weighted by their prompts
+    tau = sum(f[f"tau_{kind}"] * f["prompts"] for f in ex.values()) / sum(f["prompts"] for f in ex.values())
+    limit = round(-MAX_STORAGE_LOSS * tau, 4)
+    out: dict[str, Any] = {"rule": f"an 8-bit storage becomes its layout's default only when the lower end of the 95% "
+                                   f"interval of its {kind}-τ difference to exact is at least -{MAX_STORAGE_LOSS:.0%} "
+                                   f"of exact's τ ({limit}); otherwise bf16 stays",
+                           "tau_exact": round(tau, 4), "limit": limit,
+                           "default": {"shards": "bf16", "speculators": "bf16", "specforge": "bf16"}}
+    for v, (layout, storage, scale) in STORAGE_OF.items():
+        d = (by.get(v) or {}).get("diff_to_exact")
+        if not d or not d.get(f"tau_{kind}_ci95"):
+            out[v] = {"measured": False}
+            continue
+        free = d[f"tau_{kind}_ci95"][0] >= limit
+        out[v] = {"measured": True, "layout": layout, "storage": f"{storage}/{scale}", "diff": d[f"tau_{kind}"],
+                  "ci95": d[f"tau_{kind}_ci95"], "free": free}
+        if free:
+            out["default"][layout] = storage
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- steps
 
 
@@ -165,36 +247,35 @@ def _hf_greedy(model: Any, plan: ValuePlan, max_new: int) -> list[list[int]]:
     return outs
 
 
-def _fingerprint(params: RunParams, plan: ValuePlan, variant: str) -> dict[str, Any]:
+def _fingerprint(params: RunParams, plan: ValuePlan, variant: str, vd: VariantData) -> dict[str, Any]:
     return {"variant": variant, "train": params.value.train.model_dump(),
             "eval": params.value.eval.model_dump(exclude={"server", "concurrency"}),
-            "rows": len(plan.train_rows), "layer_ids": plan.layer_ids,
+            "rows": len(vd.rows), "data": vd.info.get("fingerprint"), "layer_ids": plan.layer_ids,
             "eval_prompts": len(plan.evals)}
-
-
-def variant_rows(plan: ValuePlan, variant: str) -> list[int]:
-    return plan.train_rows[: max(1, len(plan.train_rows) // 2)] if variant == "half" else plan.train_rows
 
 
 def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
                 say: Callable[[str], None]) -> dict[str, Any]:
-    """Train (or resume) one variant's draft, then measure it offline and through the engine."""
+    """Build (or keep) one variant's data, train (or resume) its draft, then measure it offline and through the engine."""
 
     tp, ev = params.value.train, params.value.eval
     out = plan.run_dir / "value" / variant
     done = out / "result.json"
-    fp = _fingerprint(params, plan, variant)
+    vd = variant_data(params, variant, plan.handoff, plan.train_rows, plan.train_keys, say)
+    fp = _fingerprint(params, plan, variant, vd)
     if done.exists():
         prev = json.loads(done.read_text(encoding="utf-8"))
         if prev.get("fingerprint") == fp:
             say(f"{variant}: finished earlier, kept ({done})")
             return prev
+    if not vd.rows:
+        raise ValueStageError(f"{vd.handoff / 'handoff.json'}: variant {variant} has no training rows")
     cfg = TrainConfig(epochs=tp.epochs, total_seq_len=tp.total_seq_len, lr=tp.lr, optimizer=tp.optimizer,
                       ttt_steps=tp.ttt_steps, loss_fn=tp.loss_fn, num_layers=tp.num_layers, seed=tp.seed,
                       max_steps=tp.max_steps, checkpoint_every=tp.checkpoint_every, threads=tp.threads)
-    rows = variant_rows(plan, variant)
-    say(f"{variant}: training on {len(rows):,} rows of {plan.handoff}")
-    tr: TrainResult = train_draft(plan.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
+    rows = vd.rows
+    say(f"{variant}: training on {len(rows):,} rows of {vd.handoff}")
+    tr: TrainResult = train_draft(vd.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
                                   say=lambda s: say(f"{variant}: {s}"))
     check_draft_layers(tr.draft_dir, plan.layer_ids)
     K = ev.num_speculative_tokens
@@ -246,7 +327,9 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
               "tokens_per_s": round(tr.train_tokens / tr.seconds, 1) if tr.seconds else None,
               "final_loss": tr.log[-1]["loss"] if tr.log else None, "offline_s": round(offline_s, 1),
               "engine": info, "counters_check": check, "lossless": lossless_all if ev.engine else None,
-              "per_dataset": per_ds, "fingerprint": fp}
+              "per_dataset": per_ds, "data": vd.info, "fingerprint": fp}
+    if "verify_hidden" in vd.info:
+        result["verify_hidden"] = vd.info["verify_hidden"]
     write_atomic(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in per_prompt).encode())
     write_atomic(done, json.dumps(result, indent=1).encode())
     return result
@@ -284,6 +367,7 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
     del model
     results = [run_variant(params, plan, v, seqs, say) for v in plan.variants]
     ev = params.value.eval
+    tp_seed = params.value.train.seed
     counts: dict[str, int] = {}
     for e in plan.evals:
         counts[e.dataset] = counts.get(e.dataset, 0) + 1
@@ -292,10 +376,19 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                "eval": {"max_new_tokens": ev.max_new_tokens, "num_speculative_tokens": ev.num_speculative_tokens,
                         "dtype": ev.server.dtype or params.model.dtype, "prompts": counts, "engine": ev.engine},
                "held_out": plan.held_out,
-               "variants": [{k: r[k] for k in ("variant", "draft_dir", "train_tokens", "train_samples", "steps",
-                                               "seconds", "tokens_per_s", "final_loss", "lossless", "per_dataset",
-                                               "counters_check")} for r in results],
+               "variants": [{k: r.get(k) for k in ("variant", "about", "draft_dir", "train_tokens", "train_samples",
+                                                   "steps", "seconds", "tokens_per_s", "final_loss", "lossless",
+                                                   "per_dataset", "counters_check")}
+                            | ({"verify_hidden": r["verify_hidden"]} if "verify_hidden" in r else {})
+                            | ({"data": {k: r["data"].get(k) for k in ("records", "api_records", "proof_levels", "mix",
+                                                                        "extract", "seconds") if k in r["data"]}}
+                               if r.get("data") else {})
+                            | ({"diff_to_exact": diff_to_exact(vdir, r["variant"], tp_seed)}
+                               if r["variant"] != "exact" and "exact" in plan.variants else {})
+                            for r in results],
                "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}
+    if "exact" in plan.variants:
+        summary["storage_decision"] = storage_decision(summary)
     write_atomic(vdir / "summary.json", json.dumps(summary, indent=1).encode())
     say(f"06 done in {summary['seconds']:.0f} s: " + "; ".join(
         f"{v['variant']} {ds} τ {f['tau_engine'] if f['tau_engine'] is not None else f['tau_offline']}"
@@ -316,8 +409,11 @@ def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
     """The curves as PNG beside the summary, and the run's report.html re-rendered with 06's section."""
     import matplotlib.pyplot as plt
 
-    for name, fig in (("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))):
-        fig.savefig(run_dir / "value" / name, dpi=90)
+    figs = [("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))]
+    if any(v.get("diff_to_exact") for v in summary["variants"]):
+        figs.append(("tau_diff.png", diff_figure(summary)))
+    for name, fig in figs:
+        fig.savefig(run_dir / "value" / name, dpi=90, bbox_inches="tight")
         plt.close(fig)
     if (run_dir / "notebooks" / "03_audit.ipynb").exists():
         render_report(run_dir)
@@ -339,10 +435,26 @@ def value_cli(run: str, variants: list[str] | None = None) -> int:
 
 
 def summary_lines(summary: dict[str, Any]) -> str:
+    """The table as text: each variant's τ per evaluation dataset, its difference to exact, the storage decision."""
     lines = []
+    w = max(len(v["variant"]) for v in summary["variants"])
     for v in summary["variants"]:
         for ds, f in v["per_dataset"].items():
-            lines.append(f"{v['variant']:>6} {ds:<20} τ engine {f['tau_engine']} {f['tau_engine_ci95']}  "
+            lines.append(f"{v['variant']:>{w}} {ds:<20} τ engine {f['tau_engine']} {f['tau_engine_ci95']}  "
                          f"offline {f['tau_offline']} {f['tau_offline_ci95']}  per position {f['per_position']}  "
                          f"lossless {f['lossless']}")
+        d = v.get("diff_to_exact")
+        if d:
+            kind = "engine" if d.get("tau_engine") is not None else "offline"
+            more = ("significant" if d["significant"] else
+                    f"not significant at {d['eval_tokens']:,} eval tokens; ~{d['eval_tokens_to_resolve']:,} would resolve it"
+                    if d.get("eval_tokens_to_resolve") else "not significant")
+            lines.append(f"{'':>{w}} vs exact: Δτ {kind} {d[f'tau_{kind}']:+} {d[f'tau_{kind}_ci95']} ({more})")
+        vh = v.get("verify_hidden")
+        if vh and "exit" in vh:
+            lines.append(f"{'':>{w}} verify-hidden: exit {vh['exit']}, {vh.get('failed_samples')} of "
+                         f"{vh.get('samples')} samples failed")
+    sd = summary.get("storage_decision")
+    if sd:
+        lines.append(f"storage default: {sd['default']} (rule: {sd['rule']})")
     return "\n".join(lines)

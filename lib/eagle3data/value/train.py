@@ -141,7 +141,13 @@ def _loader(handoff: Path, rows: Sequence[int], hidden_size: int, cfg: TrainConf
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from torch.utils.data import DataLoader, Subset
 
-    ds = ArrowDataset(max_len=cfg.total_seq_len, datapath=str(handoff), on_missing="raise",
+    manifest = json.loads((handoff / "handoff.json").read_text(encoding="utf-8"))
+    transfer = None
+    if manifest.get("hidden_states_backend") == "fp8":  # hs-connectors' FP8 files: read as speculators' fp8 backend does
+        from hs_connectors import FP8Transfer
+
+        transfer = FP8Transfer(handoff / "hidden_states")
+    ds = ArrowDataset(max_len=cfg.total_seq_len, datapath=str(handoff), on_missing="raise", transfer=transfer,
                       hidden_states_dtype=torch.float32)
     lengths = [ds.approx_lengths[i] for i in rows]
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=cfg.total_seq_len, lengths=lengths,

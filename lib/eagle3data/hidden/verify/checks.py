@@ -42,6 +42,9 @@ MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EX
 MIN_OUT_Z = 4.5
 MIN_PROMPT_Z = 4.5
 MIN_SAMPLED_OUT_Z = 4.0
+# The provider of records whose output is a dataset's own reply, never sampled by the target (06's `dataset_replies`):
+# no sampler means no floor of its own; their output z is judged against the run alone, like a hot sampler's.
+NOT_SAMPLED = "dataset_reply"
 # The sampled floor is measured up to this temperature (clean means 4.61-6.97 at 1.0). Hotter samplers draw tokens the
 # head ranks lower: at 1.3 the embedded run's clean means were 2.21-5.50, inside the broken ones' range, so above it
 # only the run's own spread judges a sample's output z (its prompt z, the sampler's no part, keeps its floor).

@@ -35,7 +35,8 @@ from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE, _torch_dtype, stored_bytes_per_token
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.store.validation import sample_problems
-from eagle3data.hidden.verify.checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, SAMPLED_Z_MAX_TEMPERATURE,
+from eagle3data.hidden.verify.checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, NOT_SAMPLED,
+                                             SAMPLED_Z_MAX_TEMPERATURE,
                                              VerifyError, chunk_figures, compare_states, exact_plan, head_counts, judge,
                                              out_z_floor, pooled_exact, profile_stats, recompute_failed,
                                              run_head_problems, top1_limit, unique_starts)
@@ -113,7 +114,8 @@ class VerifyResult:
                   f"{s['head']['prompt_mean']:g} prompt positions per sample (at most {s['positions']}), the whole "
                   f"head at {s['head']['exact_positions']} output positions over the run"
                 + (f"; the output z of {s['out_z_run_only']} samples sampled hotter than temperature "
-                   f"{SAMPLED_Z_MAX_TEMPERATURE:g} judged against the run alone" if s.get("out_z_run_only") else "")
+                   f"{SAMPLED_Z_MAX_TEMPERATURE:g} (or not by the target) judged against the run alone"
+                   if s.get("out_z_run_only") else "")
                 + ("" if s.get("checksummed", True) else "; not checksummed (a store written before checksums)")
                 + f" -> {self.lines_path.parent.name}/{self.lines_path.name}")
 
@@ -128,9 +130,13 @@ def compute_dtype(params: RunParams) -> str:
 
 def _sampling(view: Any, datasets: Sequence[str]) -> tuple[set[str], dict[str, float]]:
     """Keys of records sampled greedily (temperature 0) with exact ids (their head top-1 is checked), and each
-    record's sampling temperature where it says one (its output z floor: `checks.out_z_floor`)."""
+    record's sampling temperature where it says one (its output z floor: `checks.out_z_floor`); a dataset's own
+    reply (provider `NOT_SAMPLED`, 06's `dataset_replies`) was never the target's sample: judged by the run alone."""
     greedy, temps = set(), {}
     for r in view.records(datasets):
+        if r.get("provider") == NOT_SAMPLED:  # a dataset's own reply: no sampler of the target's, no floor of its own
+            temps[str(SampleKey.of(r))] = math.inf
+            continue
         t = (r.get("sampling") or {}).get("temperature")
         if t is not None:
             temps[str(SampleKey.of(r))] = float(t)

@@ -1,0 +1,163 @@
+"""06's ablation: each variant's data is made by the project's own stages (02, 04, 05) in a run folder of its own,
+and is what its name says; the paired τ difference and the storage rule by their definitions.
+
+The base is the ci run (SmolLM2 embedded, 4 samples) through 04 in speculators' layout (HF forward) and 05; its
+records carry a dataset reply each (`meta.reference_reply`, unicode included), as a dataset that ends with an
+assistant turn gives them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3data.core.params import load_params
+from eagle3data.core.models import tokenizer_for
+from eagle3data.export.run import run_export
+from eagle3data.hidden.extract import run_extract
+from eagle3data.value.run import paired_diff, storage_decision
+from eagle3data.value.train import TrainConfig, _loader
+from eagle3data.value.variants import build_variant, variant_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def base(ci_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ablation")
+    (root / "ci" / "records").mkdir(parents=True)
+    for f in (ci_run.run_dir / "records").glob("*.jsonl"):
+        lines = [orjson.loads(x) for x in f.read_bytes().splitlines() if x.strip()]
+        for r in lines:
+            r["meta"] = (r.get("meta") or {}) | {"reference_reply": f"Use `sorted(xs)` for {r['sample_id']} — a new "
+                                                                     "list, the input unchanged ✓."}
+        (root / "ci" / "records" / f.name).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
+                                                  "hidden.layout": "speculators", "export.draft_vocab_size": 64,
+                                                  "export.formats": ["speculators"]})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RANK", raising=False)
+        mp.delenv("WORLD_SIZE", raising=False)
+        res = run_extract(p, progress=False)
+        assert res.merged and res.verification.ok
+        run_export(p)
+    return p
+
+
+def _handoff(path: Path) -> tuple[dict, dict[str, int]]:
+    m = json.loads((path / "handoff.json").read_text(encoding="utf-8"))
+    return m, {k: i for i, k in enumerate(m["keys"])}
+
+
+def _states(handoff: Path, row: int) -> torch.Tensor:
+    return load_file(str(handoff / "hidden_states" / f"hs_{row}.safetensors"))["hidden_states"].float()
+
+
+def test_each_variant_is_built_by_the_stages_and_is_what_its_name_says(base, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    exact_dir = base.run_dir / "export" / "speculators"
+    em, erow = _handoff(exact_dir)
+    keys = list(em["keys"])
+    said: list[str] = []
+    tok = tokenizer_for(base)
+    from datasets import load_from_disk
+
+    exact_ids = {k: list(map(int, load_from_disk(str(exact_dir))[i]["input_ids"])) for k, i in erow.items()}
+
+    # retokenized: 02 rebuilt the ids from the text (same text back); states by 04 for those ids
+    r = build_variant(base, "retokenized", keys, said.append)
+    rm, rrow = _handoff(r.handoff)
+    assert sorted(rm["keys"]) == sorted(keys) and sum(r.info["proof_levels"].values()) == r.info["api_records"] == len(keys)
+    rds = load_from_disk(str(r.handoff))
+    for k, i in rrow.items():
+        ids = list(map(int, rds[i]["input_ids"]))
+        assert tok.decode(ids) == tok.decode(exact_ids[k])  # what the API gave, spelled the same
+    assert (base.run_dir / "value" / "retokenized" / "run" / "reconstruct" / "summary.json").exists()
+
+    # dataset_replies: the dataset's reply, not the target's output, is what is trained on
+    d = build_variant(base, "dataset_replies", keys, said.append)
+    dm, drow = _handoff(d.handoff)
+    dds = load_from_disk(str(d.handoff))
+    for k, i in drow.items():
+        text = tok.decode([int(t) for t, m in zip(dds[i]["input_ids"], dds[i]["loss_mask"]) if m])
+        assert f"for {k.split('/', 1)[1]} — a new list, the input unchanged ✓." in text
+
+    # shifted: 04's writer got each sample's states one row early; verify-hidden's own command fails the store
+    s = build_variant(base, "shifted", keys, said.append)
+    v = s.info["verify_hidden"]
+    assert v["exit"] == 1 and not v["ok"] and v["failed_samples"] >= 1, v
+    sm, srow = _handoff(s.handoff)
+    for k in keys:
+        a, b = _states(exact_dir, erow[k]), _states(s.handoff, srow[k])
+        assert torch.equal(b[:-1], a[1:]) and not torch.equal(a, b)
+
+    # int8: stored in 8 bits by 04 (shards), converted by 05 for speculators: close to exact, not equal
+    i8 = build_variant(base, "int8", keys, said.append)
+    im, irow = _handoff(i8.handoff)
+    assert im["converted_files"] == len(keys) and im["linked_files"] == 0
+    for k in keys:
+        a, b = _states(exact_dir, erow[k]), _states(i8.handoff, irow[k])
+        rel = (a - b).norm() / a.norm()
+        assert 0 < rel < 0.05, (k, float(rel))
+
+    # fp8: speculators' FP8 files, linked, and 06's loader reads them through FP8Transfer
+    f8 = build_variant(base, "fp8", keys, said.append)
+    fm, _ = _handoff(f8.handoff)
+    assert fm["hidden_states_backend"] == "fp8" and fm["linked_files"] == len(keys)
+    loader, _ = _loader(f8.handoff, f8.rows, 576, TrainConfig(total_seq_len=512))
+    batch = next(iter(loader))
+    assert batch["hidden_states"].dtype == torch.float32 and torch.isfinite(batch["hidden_states"]).all()
+
+    # a built variant is kept; exact and half take the run's hand-off
+    said.clear()
+    again = build_variant(base, "int8", keys, said.append)
+    assert any("built earlier, kept" in x for x in said) and again.rows == i8.rows
+    half = variant_data(base, "half", exact_dir, list(range(4)), keys, said.append)
+    assert half.handoff == exact_dir and half.rows == [0, 1]
+
+
+def test_dataset_replies_without_replies_is_refused_in_one_line(ci_run, tmp_path):
+    from eagle3data.value.train import ValueStageError
+
+    shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path)})
+    keys = [f"{json.loads(x)['dataset']}/{json.loads(x)['sample_id']}"
+            for f in (tmp_path / "ci" / "records").glob("*.jsonl") for x in f.read_text().splitlines() if x]
+    with pytest.raises(ValueStageError, match=r"records/b1_glaive.jsonl: no record has meta.reference_reply"):
+        build_variant(p, "dataset_replies", keys, lambda s: None)
+
+
+def test_paired_difference_is_zero_for_the_same_draft_and_excludes_zero_for_a_worse_one():
+    base = [(a, 10) for a in (3, 5, 4, 6, 2, 5, 4, 3, 6, 5, 4, 4)]
+    est, ci = paired_diff(base, base)
+    assert est == 0 and ci == [0, 0]
+    worse = [(a - 1, 10) for a, _ in base]
+    est, ci = paired_diff(base, worse)
+    assert est == pytest.approx(-0.1) and ci[1] < 0
+    noisy = [(a + (1 if i % 2 else -1), 10) for i, (a, _) in enumerate(base)]
+    est, ci = paired_diff(base, noisy)
+    assert ci[0] < 0 < ci[1]
+
+
+def _summary(int8_ci, fp8_ci):
+    ex = {"per_dataset": {"humaneval": {"prompts": 100, "tau_engine": 1.5}, "held": {"prompts": 100, "tau_engine": 1.5}}}
+    return {"variants": [{"variant": "exact", **ex},
+                         {"variant": "int8", "diff_to_exact": {"tau_engine": 0.0, "tau_engine_ci95": int8_ci}},
+                         {"variant": "fp8", "diff_to_exact": {"tau_engine": -0.01, "tau_engine_ci95": fp8_ci}}]}
+
+
+def test_the_storage_rule_switches_a_layout_only_when_its_loss_is_proven_small():
+    d = storage_decision(_summary([-0.012, 0.01], [-0.05, 0.02]))
+    assert d["limit"] == -0.015 and d["int8"]["free"] and not d["fp8"]["free"]
+    assert d["default"] == {"shards": "int8", "speculators": "bf16", "specforge": "bf16"}
+    d = storage_decision(_summary([-0.02, 0.01], [-0.01, 0.0]))
+    assert d["default"] == {"shards": "bf16", "speculators": "fp8_e4m3", "specforge": "bf16"}
+    d = storage_decision({"variants": [_summary([0, 0], [0, 0])["variants"][0]]})
+    assert d["default"]["shards"] == "bf16" and d["int8"] == {"measured": False}
