@@ -25,7 +25,7 @@ class Trainer(abc.ABC):
 
     name: str
     final_state: str  # the final state it trains on: "pre_norm" or "post_norm"
-    sample_suffix: str  # the suffix of its per-sample file (04's `samples/p<position><suffix>`)
+    sample_suffix: str  # the suffix of its per-sample file (04's `samples/p<position>-<key tag><suffix>`)
     id_mask_bytes: int  # bytes of (input id, loss mask) per token in its per-sample file
     handoff_dir: str  # the folder of its per-sample files in the hand-off
     export_files: tuple[str, ...]  # the token files of 05's export it takes (written by `export.run`)

@@ -8,7 +8,7 @@ captures the states and hands them to the writers here):
   length) so shards describe themselves. A shard is written to `.tmp` and renamed when
   complete: a crash leaves at most a `.tmp`, which the next run discards and redoes.
 - or, with `hidden.layout` a trainer's name (`specforge` / `speculators`), one file per sample
-  in that trainer's own format under `samples/` (`p<position><suffix>`, written and read by
+  in that trainer's own format under `samples/` (`p<position>-<key tag><suffix>`, written and read by
   the trainer's module in `eagle3data.trainers`), each with the same `eagle3data` metadata.
   The 05 hand-off hardlinks these files into the trainer's folder instead of copying them.
 - `index.parquet` (one row per sample: key, dataset, sample_id, turn, source, ids_exact,

@@ -65,7 +65,7 @@ def scan_shards(hdir: Path, *, discard_for_rank: int | None = None, discard_all:
         if discard_for_rank is None:
             return False
         tag = f"r{discard_for_rank:03d}"
-        # shards are named r<rank>-N; a per-sample file's .tmp carries its writer's rank (p<pos>.<ext>.r<rank>.tmp)
+        # shards are named r<rank>-N; a per-sample file's .tmp carries its writer's rank (p<pos>-<tag>.<ext>.r<rank>.tmp)
         return p.name.startswith(tag + "-") or p.name.endswith(f".{tag}.tmp")
 
     for d, pattern in ((shard_dir(hdir), "*" + SHARD_SUFFIX), (sample_dir(hdir), "p*")):

@@ -4,6 +4,7 @@ checksum journaled (`checksum.record_file`, while its bytes are in the page cach
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,8 @@ class ShardWriter:
 class SampleFileWriter:
     """Writes each sample at once as one file in a trainer's own format (`hidden.layout` a trainer's name).
 
-    `samples/p<position><suffix>`, written by the trainer's module (`Trainer.write_sample`)
+    `samples/p<position>-<key tag><suffix>` (the tag: 8 hex of the key's hash, so a mix that changed between
+    runs never writes one sample's file over another's stored at the same position), written by the trainer's module (`Trainer.write_sample`)
     with every final state the store holds and the shard metadata (one sample, offset 0):
     the same key `eagle3data`. Written to `.r<rank>.tmp`, fsynced, renamed.
     """
@@ -118,7 +120,8 @@ class SampleFileWriter:
             raise HiddenError(f"{s.key}: {states.shape[0]} states for {n} tokens")
         entry = index_entry(s, position, 0)
         meta = orjson.dumps({**self.info, "rank": self.rank, "samples": [entry], "tokens": n}).decode()
-        name = f"p{position:09d}{self.trainer.sample_suffix}"
+        tag = hashlib.blake2b(str(s.key).encode(), digest_size=4).hexdigest()
+        name = f"p{position:09d}-{tag}{self.trainer.sample_suffix}"
         aux, finals = split_states(states, self.names)
         self.trainer.write_sample(self.dir / name, s.input_ids, s.loss_mask, aux, finals, meta,
                                   tmp_suffix=f".r{self.rank:03d}.tmp", storage=self.storage)
