@@ -16,12 +16,14 @@
 # Checks every record's token structure, prompt and text against the model profile, and says
 # how far the result can be trusted (a check that saw zero failures in *n* records only bounds
 # the failure rate below 3/*n* at 95 %).
-#
+
+# %% [markdown] tags=["notebook-only"]
 # **Reads:** `outputs/<run>/records/*.jsonl`, `reconstruct/<dataset>.jsonl` (02's rebuilt ids for
 # API records, when present), `ledger.json`.
 # **Writes:** `outputs/<run>/audit/verdicts.jsonl` (one line per record: dataset, sample_id, failed
 # check names, truncated), `audit/summary.json`, `provenance/03_audit.json`; `make run` renders
-# this notebook, without code, as `outputs/<run>/report.html`.
+# this notebook, without code and without this cell (tag `notebook-only`), as `outputs/<run>/report.html`,
+# under a summary of the run.
 # **Parameters:** `params_file`, `overrides` (dotted keys, as `-p key value` on the CLI),
 # `sample_id` and `dataset`: the record the inspector opens (None = `audit.inspect_*` in params).
 

@@ -162,3 +162,95 @@ def test_superseded_lines_table(tmp_path):
     assert "Superseded journal lines (1)" in html and "records/d.jsonl" in html and str(tmp_path) not in html
     assert res.summary()["records_failed"] == 0  # a retried error is not a failure
     assert superseded_html(_result(tmp_path / "b", [_rec(1, [5, 6, 2])])).html == ""
+
+
+def summary_run(run_dir: Path, *, verify_ok: bool = True, value: bool = True) -> Path:
+    """A run folder holding what the stages write (01's ledger, 03's summary, 04's mix and verification, 05's
+    manifest, 06's τ) and an executed-looking 03 notebook with its sections and a notebook-only notes cell."""
+    import json
+
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    def put(rel: str, data: dict) -> None:
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(json.dumps(data))
+
+    for stage in ("01_generate", "03_audit", "04_extract_hidden", "05_export") + (("06_value",) if value else ()):
+        put(f"provenance/{stage}.json", {"stage": stage})
+    put("ledger.json", {"datasets": {"b1_glaive": {"done": 3, "prompt_tokens": 900, "completion_tokens": 300,
+                                                   "cost_usd": 1.25},
+                                     "b2_code": {"done": 2, "prompt_tokens": 100, "completion_tokens": 50,
+                                                 "cost_usd": 0.5}}})
+    check = {"what": "w", "not_applicable": 0, "not_run": 0}
+    put("audit/summary.json", {
+        "records": 5, "records_failed": 1, "records_truncated": 2,
+        "checks": {"output.ends_with_eot": check | {"applicable": 5, "failed": 1, "upper95": None, "verdict": "FAIL 1/5"},
+                   "record.complete": check | {"applicable": 5, "failed": 0, "upper95": 0.6, "verdict": "0/5"},
+                   "prompt.tools_present": check | {"applicable": 2, "failed": 0, "upper95": 1.0, "verdict": "0/2"}},
+        "groups": [{"dataset": "b1_glaive", "records": 3, "prompt_tokens": 901, "output_tokens": 299, "failed": 1},
+                   {"dataset": "b2_code", "records": 2, "prompt_tokens": 100, "output_tokens": 50, "failed": 0}]})
+    put("hidden/mix_manifest.json", {"datasets": {"b1_glaive": {"samples": 2, "tokens": 800, "loss_tokens": 200},
+                                                  "b2_code": {"samples": 2, "tokens": 150, "loss_tokens": 50}}})
+    vcheck = {"what": "w"}
+    put("hidden/verify_summary.json", {
+        "ok": verify_ok, "samples": 4, "failed_samples": 0 if verify_ok else 1, "tokens": 950, "positions": 64,
+        "recomputed": 2, "norm_profile": "ok", "states": ["aux_0", "final"], "dtype": "bfloat16", "layout": "shards",
+        "store_problems": [], "head": {},
+        "checks": {"head_logit": vcheck | {"applicable": 4, "failed": 0 if verify_ok else 1, "upper95": 0.75},
+                   "finite": vcheck | {"applicable": 4, "failed": 0, "upper95": 0.75}}})
+    put("export/speculators/manifest.json", {"exported": 4, "tokens": 950,
+                                             "selection": {"hidden_verification": "passed"}})
+    if value:
+        f = {"prompts": 164, "tau_engine": 1.3, "tau_engine_ci95": [1.28, 1.32], "tau_offline": 1.36,
+             "tau_offline_ci95": [1.33, 1.4], "per_position": [0.23, 0.059, 0.012], "lossless": True}
+        put("value/summary.json", {"eval": {"num_speculative_tokens": 3}, "variants": [
+            {"variant": "exact", "per_dataset": {"humaneval": f, "heldout": f | {"tau_engine": 1.53,
+                                                                                "tau_engine_ci95": [1.48, 1.59]}}}]})
+    cells = [new_markdown_cell("# 03 · Audit\nWhat the stage does."),
+             new_markdown_cell("**Reads:** records. **Writes:** verdicts. **Parameters:** params_file.",
+                               metadata={"tags": ["notebook-only"]}),
+             new_markdown_cell("## 2. Ledger: the damage assessment"),
+             new_code_cell("x", outputs=[new_output("execute_result", execution_count=1,
+                                                    data={"text/html": "<p>LEDGER-TABLE</p>", "text/plain": "x"})]),
+             new_markdown_cell("## 3. Checks: honest numbers")]
+    (run_dir / "notebooks").mkdir(parents=True, exist_ok=True)
+    nbformat.write(new_notebook(cells=cells), str(run_dir / "notebooks" / "03_audit.ipynb"))
+    return run_dir
+
+
+def test_report_opens_on_the_run_summary(tmp_path):
+    """report.html starts with the run's summary (per dataset, cost, audit verdict and bounds, states verified, τ),
+    linking to sections that exist; the notebook-only notes stay out."""
+    import re
+
+    from eagle3data.audit.report import render_report
+
+    text = render_report(summary_run(tmp_path / "myrun")).read_text(encoding="utf-8")
+    top = text.index('id="e3-summary"')
+    assert top < text.index('<div class="jp-Cell') < text.index("LEDGER-TABLE")  # above the first notebook cell
+    summary = text[top:text.index('<div class="jp-Cell')]
+    assert "<title>myrun · report</title>" in text and "Run myrun" in summary
+    assert "<td>b1_glaive</td><td>3</td><td>901</td><td>299</td><td>$1.25</td><td>1</td><td>2</td><td>800</td>" in summary
+    assert "<td><b>5</b></td><td><b>1,001</b></td>" in summary  # the totals row
+    assert "$1.75" in summary  # the run's cost
+    assert "1 of 5 records failed a check (output.ends_with_eot 1/5)" in summary
+    assert "the other 2 applicable checks passed, each failure rate below 100.00% at 95%" in summary
+    assert "2 records truncated" in summary
+    assert "passed: no stored sample failed (4 samples, 950 tokens)" in summary
+    assert "speculators 4 samples, 950 tokens" in summary
+    assert "humaneval <b>1.3</b> (1.28–1.32)" in summary and "heldout <b>1.53</b> (1.48–1.59)" in summary
+    links = re.findall(r'href="#([^"]+)"', summary)
+    assert {"e3-verify", "e3-value"} <= set(links) and any(x.startswith("2.-Ledger") for x in links)
+    for anchor in links:  # every link lands on an element of the page
+        assert f'id="{anchor}"' in text, anchor
+    assert "Reads:" not in text and "Parameters:" not in text  # notebook-only: left out of the report
+
+
+def test_summary_says_what_failed_and_leaves_out_stages_that_did_not_run(tmp_path):
+    from eagle3data.audit.report import render_report
+
+    text = render_report(summary_run(tmp_path / "r", verify_ok=False, value=False)).read_text(encoding="utf-8")
+    summary = text[text.index('id="e3-summary"'):text.index('<div class="jp-Cell')]
+    assert "<b>failed</b>: 1 of 4 stored samples (head_logit 1)" in summary
+    assert "τ" not in summary and "e3-value" not in text

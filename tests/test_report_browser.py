@@ -1,5 +1,6 @@
 """The shareable report, checked in a real browser: plots are images that loaded, the check table is there.
 
+The run summary opens the page, above the first notebook section (its links land on the sections).
 Runs headless Chromium (Debian package `chromium`) with `--dump-dom` on a copy of the report
 into which a small script is injected: on the page's load event it writes, into a
 `<pre id="e3-browser-check">`, each image's `complete`/`naturalWidth`/`naturalHeight` and the
@@ -103,6 +104,34 @@ def _fake_audit_run(run_dir: Path) -> Path:
     return run_dir
 
 
+# Where the run summary sits once laid out: its top against the first notebook cell's and the first notebook
+# heading's, whether each of its links lands on an element of the page, and the page's visible text.
+SUMMARY_PROBE = (
+    "<script>window.addEventListener('load',function(){"
+    "var s=document.getElementById('e3-summary');"
+    "var cell=document.querySelector('div.jp-Cell');"
+    "var head=document.querySelector('div.jp-Cell h1, div.jp-Cell h2');"
+    "var top=function(e){return e?e.getBoundingClientRect().top+window.scrollY:null;};"
+    "var links=s?Array.from(s.querySelectorAll('a[href^=\"#\"]')).map(function(a){"
+    "var id=decodeURIComponent(a.getAttribute('href').slice(1));"
+    "return {id:id,found:document.getElementById(id)!==null,text:a.textContent}}):[];"
+    "var r={summary_top:top(s),summary_height:s?s.getBoundingClientRect().height:0,first_cell_top:top(cell),"
+    "first_heading_top:top(head),links:links,summary_text:s?s.innerText:'',text:document.body.innerText};"
+    "var p=document.createElement('pre');p.id='" + MARKER + "';p.textContent=JSON.stringify(r);"
+    "document.body.appendChild(p);});</script>"
+)
+
+
+def assert_summary_on_top(seen: dict) -> None:
+    """The run summary is shown above the first notebook cell and heading; every link of it lands on the page."""
+    assert seen["summary_top"] is not None, "no run summary (#e3-summary) in the report"
+    assert seen["summary_height"] > 0
+    assert seen["summary_top"] + seen["summary_height"] <= seen["first_cell_top"], seen
+    assert seen["first_heading_top"] is None or seen["summary_top"] < seen["first_heading_top"], seen
+    assert seen["links"] and all(a["found"] for a in seen["links"]), seen["links"]
+    assert "Reads:" not in seen["text"] and "Writes:" not in seen["text"]  # notebook-only notes stay out
+
+
 @needs_chromium
 def test_probe_tells_a_loaded_plot_from_a_broken_one(tmp_path):
     """The harness itself: a real PNG loads (naturalWidth > 0), a corrupt one does not, tables are counted."""
@@ -152,6 +181,25 @@ def test_audit_report_of_a_real_run_in_the_browser(ci_run, tmp_path):
     assert seen["images"], "the audit report has no plot"
     assert all(i["complete"] and i["width"] > 0 for i in seen["images"]), seen["images"]
     assert seen["check_tables"] >= 1, "no <table class='check-table'> in the audit report"
+    top = browser_check(report, tmp_path, SUMMARY_PROBE)  # the run summary opens the page, above the notebook
+    assert_summary_on_top(top)
+    assert "Records and tokens per dataset" in top["summary_text"] and "Audit (03)" in top["summary_text"]
+    assert {a["text"] for a in top["links"]} >= {"Cost (01)", "Audit (03)"}
+
+
+@needs_chromium
+def test_run_summary_above_the_notebook_in_the_browser(tmp_path):
+    """A run where 01, 03, 04, 05 and 06 wrote their files: the summary is above the first notebook section,
+    with τ and the verification linked to their sections, and those sections are on the page."""
+    from test_report import summary_run
+
+    from eagle3data.audit.report import render_report
+
+    seen = browser_check(render_report(summary_run(tmp_path / "run")), tmp_path, SUMMARY_PROBE)
+    assert_summary_on_top(seen)
+    text = seen["summary_text"]
+    assert "States verified (04)" in text and "What the data is worth (06)" in text and "1.53 (1.48–1.59)" in text
+    assert {a["id"] for a in seen["links"]} >= {"e3-verify", "e3-value"}
 
 
 # What the inspector's token boxes look like once laid out: the whitespace-only tokens (those

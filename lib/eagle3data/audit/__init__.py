@@ -3,6 +3,6 @@
 Owns the journal as flat id arrays (`idtable`), a run's tables merged with 02's ids and split by
 the supersede rule (`runtable`), the vectorized checks (`checks`), verdicts and
 the summary (`run`), the sample inspector (`inspector`), figures (`plots`) and the shareable
-`report.html` (`report`). May import the core, `prompts`, `generate` and `rebuild`; never a
+`report.html` (`report`), which opens on the run's summary across the stages that ran (`overview`). May import the core, `prompts`, `generate` and `rebuild`; never a
 later stage.
 """

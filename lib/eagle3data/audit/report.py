@@ -1,28 +1,36 @@
 """HTML rendering: executed notebooks as HTML, and the run's shareable `report.html`.
 
-The report is the executed 03_audit notebook rendered without code cells: images are
-embedded (nbconvert's HTML exporter inlines PNG outputs), so the file stands alone.
+The report opens on the run's summary across the stages that ran (`overview`), then the executed
+03_audit notebook rendered without code cells and without its notebook-only notes (cells tagged
+`notebook-only`: what it reads and writes, its parameters), then 04's verification and 06's τ when
+they ran: images are embedded (nbconvert's HTML exporter inlines PNG outputs), so the file stands alone.
 """
 
 from __future__ import annotations
 
 import re
+from html import escape as html_escape
 from pathlib import Path
 from typing import Any
 from eagle3data.audit.checks import CHECK_NAMES, iter_checks
+from eagle3data.audit.overview import VALUE_ID, VERIFY_ID, hidden_dir_of, summary_html
 from eagle3data.core.params import params_for_display, repo_root
-from eagle3data.core.provenance import RunParamsError, params_of_run
 from eagle3data.core.stats import upper95_text
 
 # Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
 # "figures recorded for tests" cells carry it) but are left out of every HTML rendering.
 HIDE_TAG = "hide-from-html"
+# Markdown cells with this tag (a stage's Reads / Writes / Parameters notes) stay in the notebook and its HTML
+# copy, and out of the shared report.html.
+NOTEBOOK_ONLY_TAG = "notebook-only"
 EXTERNAL_SCRIPT = re.compile(r"<script[^>]*\bsrc=\"https?://[^\"]*\"[^>]*>\s*</script>", re.I)
 SECRET_KEY = re.compile(r"(api_?key|secret|token|password|authorization)(?!_env)", re.I)
 
 
-def notebook_to_html(nb_path: str | Path, html_path: str | Path, *, exclude_input: bool = False) -> Path:
-    """Render an executed notebook to a self-contained HTML file (cells tagged `hide-from-html` left out)."""
+def notebook_to_html(nb_path: str | Path, html_path: str | Path, *, exclude_input: bool = False,
+                     remove_tags: frozenset[str] = frozenset()) -> Path:
+    """Render an executed notebook to a self-contained HTML file (cells tagged `hide-from-html`, and any of
+    `remove_tags`, left out)."""
     import nbformat
     from nbconvert import HTMLExporter
 
@@ -31,28 +39,37 @@ def notebook_to_html(nb_path: str | Path, html_path: str | Path, *, exclude_inpu
     nb = nbformat.read(str(nb_path), as_version=4)
     exporter = HTMLExporter(exclude_input=exclude_input, exclude_input_prompt=exclude_input,
                             exclude_output_prompt=exclude_input)
-    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={HIDE_TAG}, enabled=True), enabled=True)
+    exporter.register_preprocessor(TagRemovePreprocessor(remove_cell_tags={HIDE_TAG, *remove_tags}, enabled=True),
+                                   enabled=True)
     body, _ = exporter.from_notebook_node(nb)
     Path(html_path).write_text(body, encoding="utf-8")
     return Path(html_path)
 
 
 def render_report(run_dir: str | Path) -> Path:
-    """`<run>/report.html` from the executed 03_audit notebook, code cells hidden."""
+    """`<run>/report.html`: the run's summary, then the executed 03_audit notebook (code cells and notebook-only
+    notes left out), 04's verification and 06's τ when they ran."""
     run_dir = Path(run_dir)
     src = run_dir / "notebooks" / "03_audit.ipynb"
     if not src.exists():
         raise FileNotFoundError(f"no executed audit notebook at {src}: run stage 03 first")
-    out = notebook_to_html(src, run_dir / "report.html", exclude_input=True)
+    out = notebook_to_html(src, run_dir / "report.html", exclude_input=True, remove_tags=frozenset({NOTEBOOK_ONLY_TAG}))
     text = out.read_text(encoding="utf-8")
     # self-contained: drop the template's CDN scripts (require.js, MathJax); the report needs neither
     text = EXTERNAL_SCRIPT.sub("", text)
     section = verification_html(_verify_summary(run_dir))
     if section:  # 04's verification (verify-hidden's summary), after the audit
-        text = text.replace("</body>", f'<div class="e3-verify" style="margin:1em 2em">{section}</div></body>', 1)
+        text = text.replace("</body>", f'<div class="e3-verify" id="{VERIFY_ID}" style="margin:1em 2em">{section}'
+                            "</div></body>", 1)
     value = value_html(run_dir)
     if value:  # 06: the drafter's acceptance length, when the stage ran
-        text = text.replace("</body>", f'<div class="e3-value" style="margin:1em 2em">{value}</div></body>', 1)
+        text = text.replace("</body>", f'<div class="e3-value" id="{VALUE_ID}" style="margin:1em 2em">{value}'
+                            "</div></body>", 1)
+    # the run's summary opens the page, above the first notebook cell, linking to the sections below
+    top = summary_html(run_dir, text)
+    text = re.sub(r"<title>.*?</title>", f"<title>{html_escape(run_dir.name)} · report</title>", text, count=1, flags=re.S)
+    m = re.search(r"<main[^>]*>", text) or re.search(r"<body[^>]*>", text)
+    text = text[:m.end()] + top + text[m.end():] if m else top + text
     out.write_text(text, encoding="utf-8")
     return out
 
@@ -118,13 +135,7 @@ def _verify_summary(run_dir: Path) -> dict[str, Any] | None:
     """verify-hidden's summary of the run's store (`<hidden dir>/verify_summary.json`), if it ran."""
     import orjson
 
-    hdir = run_dir / "hidden"
-    try:
-        out_dir = params_of_run(run_dir).hidden.out_dir
-        hdir = Path(out_dir) if out_dir else hdir
-    except RunParamsError:
-        pass
-    path = hdir / "verify_summary.json"
+    path = hidden_dir_of(run_dir) / "verify_summary.json"
     return orjson.loads(path.read_bytes()) if path.exists() else None
 
 
