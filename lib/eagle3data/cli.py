@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("prompts", help="show what a prompt dataset turns into (counts, rejected rows, examples)")
     pr.add_argument("path", help="file (.jsonl/.json/.parquet/.arrow), folder of shards, builtin:NAME or hf:NAME")
-    pr.add_argument("--format", required=True, help="row format, e.g. sharegpt, ultrachat, glaive (README: Prompt datasets)")
+    pr.add_argument("--format", required=True, help="row format, e.g. sharegpt, ultrachat, glaive (docs/01_generate.md: Prompt datasets)")
     pr.add_argument("--split", help="split of a folder or hub dataset (default train)")
     pr.add_argument("--subset", help="config of a folder or hub dataset, e.g. all")
     pr.add_argument("--show", type=int, default=3, help="normalized examples to print")

@@ -9,7 +9,7 @@ metadata. It raises `RowError(reason)` for a row it cannot read; the loader
 assistant turn for single-turn regeneration (its text kept as `meta.reference_reply`),
 gives rows without an id a content hash of their prompt, and drops exact duplicates.
 
-Which card fields each format reads is listed in `FORMATS[name].fields` and in README
+Which card fields each format reads is listed in `FORMATS[name].fields` and in docs/01
 "Prompt datasets"; `python -m eagle3data prompts FILE --format NAME` shows what a file
 turns into.
 """

@@ -17,7 +17,7 @@ class DatasetParams(Strict):
         description="Prompt file (.jsonl, .json, .parquet, .arrow), a folder of shards or a downloaded dataset "
                     "repository, `builtin:<name>` for the shipped prompt sets, or `hf:<owner>/<name>` (needs the hub)."
     )
-    format: str = Field("prompts", description="Row format (see README `Prompt datasets`); `prompts` = this project's JSONL.")
+    format: str = Field("prompts", description="Row format (see docs/01 `Prompt datasets`); `prompts` = this project's JSONL.")
     split: str | None = Field(None, description="Split of a folder or hub dataset (None = `train`), e.g. `train_sft`.")
     subset: str | None = Field(None, description="Config of a folder or hub dataset, e.g. `all` for Mixture-of-Thoughts.")
     limit: int | None = Field(None, gt=0, description="Use at most this many prompts (after the seeded shuffle).")
