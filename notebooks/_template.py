@@ -13,6 +13,8 @@
 
 # %% [markdown]
 # # NN · Stage name
+
+# %% [markdown] tags=["notebook-only"]
 # **Reads:** … **Writes:** `outputs/<run>/…` **Parameters:** `params_file` (a YAML under
 # `params/`), `overrides` (dotted keys, as `-p key value` on the CLI).
 
