@@ -35,10 +35,19 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import orjson
+import torch
 
+import eagle3data.hidden.extract as ex
 from eagle3data.core.atomic import write_atomic
+from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
+from eagle3data.core.profiles import get_profile
 from eagle3data.core.reader import SampleKey, read_run
+from eagle3data.export.run import run_export
+from eagle3data.hidden.extract import plan_extract, run_extract
+from eagle3data.hidden.verify.checks import NOT_SAMPLED
+from eagle3data.rebuild.run import run_reconstruct, turns_from_exact
+from eagle3data.value.train import ValueStageError
 
 VARIANTS = {
     "exact": "the run's hand-off as it is (exact ids, verified bf16 states): the reference",
@@ -101,12 +110,6 @@ def _api_records(recs: list[dict[str, Any]], texts: list[Any], provider: str) ->
 
 def variant_records(params: RunParams, variant: str, train_keys: list[str]) -> dict[str, list[dict[str, Any]]]:
     """The training conversations' records of the run, as this variant's run folder holds them (per dataset)."""
-    from eagle3data.core.models import tokenizer_for
-    from eagle3data.core.profiles import get_profile
-    from eagle3data.hidden.verify.checks import NOT_SAMPLED
-    from eagle3data.rebuild.run import turns_from_exact
-    from eagle3data.value.train import ValueStageError
-
     keep = {_conv(k) for k in train_keys}
     view = read_run(params.run_dir, [d.name for d in params.datasets], rebuilt=False, verdicts=False)
     out: dict[str, list[dict[str, Any]]] = {}
@@ -138,10 +141,6 @@ def variant_records(params: RunParams, variant: str, train_keys: list[str]) -> d
 @contextmanager
 def _states_one_early() -> Iterator[None]:
     """04's writers get each sample's states one position early (row t holds row t+1's): an engine's off-by-one."""
-    import torch
-
-    import eagle3data.hidden.extract as ex
-
     real = ex.open_writer
 
     def shifted_writer(*a: Any, **k: Any) -> Any:
@@ -165,11 +164,6 @@ def _fingerprint(vp: RunParams, train_keys: list[str]) -> str:
 
 def build_variant(params: RunParams, variant: str, train_keys: list[str], say: Callable[[str], None]) -> VariantData:
     """Make this variant's hand-off with 02/04/05 in `value/<variant>/run/` (kept when built with the same params)."""
-    from eagle3data.export.run import run_export
-    from eagle3data.hidden.extract import plan_extract, run_extract
-    from eagle3data.rebuild.run import run_reconstruct
-    from eagle3data.value.train import ValueStageError
-
     vp = variant_params(params, variant)
     vrun = vp.run_dir
     handoff = vrun / "export" / "speculators"
