@@ -25,7 +25,7 @@ from eagle3data.hidden.mix import read_mix
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_problems, leak_problems
 from eagle3data.value.offline import EvalSeq, accepted_per_anchor, chain_correct, offline_tau, target_states
 from eagle3data.value.run import plan_value, ratio_ci
-from eagle3data.value.train import (TrainConfig, ValueStageError, build_draft, check_draft_layers,
+from eagle3data.value.train import (TrainConfig, TrainingStopped, ValueStageError, build_draft, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,13 +158,18 @@ def test_the_drafts_layers_are_the_stores_own_and_a_draft_on_other_layers_is_ref
         check_draft_layers(bad, store)
 
 
-def test_training_resumes_from_its_checkpoint_to_the_same_draft(handoff, trained, tmp_path):
+def test_training_stops_on_request_and_resumes_from_its_checkpoint_to_the_same_draft(handoff, trained, tmp_path):
     p, res = trained
     from eagle3data.generate.backends.vllm_server import model_dir  # the folder the engine serves
 
     ids = layer_ids_of_store(p.run_dir / "hidden")
     cfg = TrainConfig(epochs=3, total_seq_len=512, checkpoint_every=2)
     ho = p.run_dir / "export" / "speculators"
+    asked = []  # a stop asked for after the first step (the run's STOP file): checkpoint written, TrainingStopped
+    with pytest.raises(TrainingStopped) as stopped:
+        train_draft(ho, model_dir(p), ids, tmp_path, cfg, list(range(4)), say=lambda s: None,
+                    stop=lambda: asked.append(1) or True)
+    assert stopped.value.step == 1 and len(asked) == 1 and (tmp_path / "checkpoint.pt").exists()
     first = train_draft(ho, model_dir(p), ids, tmp_path, TrainConfig(**{**cfg.__dict__, "max_steps": 2}),
                         list(range(4)), say=lambda s: None)
     assert first.steps == 2 and (tmp_path / "checkpoint.pt").exists()

@@ -44,6 +44,8 @@ STAGE_ALIASES = {s.split("_", 1)[0]: s for s in STAGES} | {s.split("_", 1)[1]: s
     "hidden": "04_extract_hidden", "extract": "04_extract_hidden"}
 # stages that need the hidden-state pass; `hidden.enabled: false` leaves them out of a full run
 HIDDEN_STAGES = {"04_extract_hidden"}
+# A stage that stops itself on the STOP file raises one of these in its notebook (06: value.train.ValueStopped's kinds)
+STOPPED = {"ValueStopped", "TrainingStopped", "EvalStopped"}
 
 
 def resolve_stage(name: str) -> str:
@@ -126,6 +128,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             html = _shown_path(nb_dir / (stage + ".html"))
             took = f"{time.perf_counter() - t0:.0f} s"
             lead = f"  {stage}" if (tty or watch.printed) else ""
+            if failed is not None and control.reason is not None and getattr(failed, "ename", None) in STOPPED:
+                print(f"{lead} stopped after {took} -> {html}")  # the stage stopped itself on the STOP file
+                return _report_stop(args, control, stages[n:], run_dir, stage)
             if failed is not None and control.cancelled:
                 print(f"{lead} cancelled after {took} -> {html}")
                 return _report_stop(args, control, stages[n:], run_dir, stage)

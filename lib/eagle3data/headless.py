@@ -282,6 +282,8 @@ def _stage_outcome(run_dir: Path, stage: str) -> tuple[str, str]:
         return str(led.get("status") or "stopped"), f"{done:,} of {planned:,} samples journaled"
     if stage == "04_extract_hidden":
         return "stopped", "finished shards kept"
+    if stage == "06_value":
+        return "stopped", "finished variants, built data and the training checkpoint kept"
     return "finished", "the stage completed"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,12 +26,17 @@ import httpx
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import VLLMParams
 from eagle3data.generate.backends.vllm_server import VLLMServer, server_command
+from eagle3data.value.train import ValueStopped
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 class EngineEvalError(UserInputError):
     """The engine evaluation failed (a server, a reply, or a speculative output that differs from greedy)."""
+
+
+class EvalStopped(ValueStopped):
+    """A stop during an engine evaluation: the servers are stopped; the evaluation starts over when run again."""
 
 
 @dataclass
@@ -77,8 +83,10 @@ def _complete(client: httpx.Client, base_url: str, model: str, ids: list[int], m
 
 def serve(params: Any, server: Any, prompts: Sequence[list[int]], max_new_tokens: int, *, stage: str,
           draft_dir: Path | None = None, k: int = 3, concurrency: int = 8,
-          say: Callable[[str], None] = print) -> tuple[list[Served], dict[str, Any]]:
-    """Start a server (plain, or with the draft), send every prompt (greedy), stop it; replies in prompt order."""
+          say: Callable[[str], None] = print,
+          stop: Callable[[], bool] | None = None) -> tuple[list[Served], dict[str, Any]]:
+    """Start a server (plain, or with the draft), send every prompt (greedy), stop it; replies in prompt order.
+    `stop()` true (the run's STOP file) or Ctrl-C: nothing more is sent, EvalStopped raised."""
 
     extra = []
     if draft_dir is not None:
@@ -93,16 +101,30 @@ def serve(params: Any, server: Any, prompts: Sequence[list[int]], max_new_tokens
         out: list[Served | None] = [None] * len(prompts)
         done = 0
         t1 = time.monotonic()
-        with httpx.Client(timeout=httpx.Timeout(1800.0)) as client, ThreadPoolExecutor(concurrency) as pool:
-            futs = {pool.submit(_complete, client, srv.base_url, params.model.name, p, max_new_tokens): i
-                    for i, p in enumerate(prompts)}
-            last = 0.0
-            for f in futs:
-                out[futs[f]] = f.result()
-                done += 1
-                if time.monotonic() - last > 10 or done == len(prompts):
-                    last = time.monotonic()
-                    say(f"{stage}: {done}/{len(prompts)} prompts · {time.monotonic() - t1:.0f} s")
+        pool = ThreadPoolExecutor(concurrency)
+        try:
+            with httpx.Client(timeout=httpx.Timeout(1800.0)) as client:
+                futs = {pool.submit(_complete, client, srv.base_url, params.model.name, p, max_new_tokens): i
+                        for i, p in enumerate(prompts)}
+                last = 0.0
+                for f in futs:
+                    while out[futs[f]] is None:
+                        if stop is not None and stop():
+                            raise EvalStopped(f"{stage}: stopped after {done:,} of {len(prompts):,} prompts "
+                                              "(an evaluation is not resumed: it starts over)")
+                        try:
+                            out[futs[f]] = f.result(timeout=1.0)
+                        except FuturesTimeout:
+                            pass
+                    done += 1
+                    if time.monotonic() - last > 10 or done == len(prompts):
+                        last = time.monotonic()
+                        say(f"{stage}: {done}/{len(prompts)} prompts · {time.monotonic() - t1:.0f} s")
+        except KeyboardInterrupt:
+            raise EvalStopped(f"{stage}: interrupted after {done:,} of {len(prompts):,} prompts (an evaluation is "
+                              "not resumed: it starts over)") from None
+        finally:  # on a stop or an error nothing more is sent; the server stops with what is in flight
+            pool.shutdown(wait=False, cancel_futures=True)
         serve_s = time.monotonic() - t1
         after = read_counters(srv.base_url) if draft_dir is not None else {}
     counters = {c.split(":", 1)[1]: after[c] - before[c] for c in after}

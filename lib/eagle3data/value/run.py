@@ -34,7 +34,7 @@ from eagle3data.value.engine import serve
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
 from eagle3data.value.plots import diff_figure, loss_figure, position_figure
-from eagle3data.value.train import (TrainConfig, TrainingStopped, TrainResult, ValueStageError, check_draft_layers,
+from eagle3data.value.train import (TrainConfig, TrainResult, ValueStageError, ValueStopped, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft)
 from eagle3data.value.variants import VARIANTS, VariantData, variant_data
 
@@ -207,6 +207,11 @@ def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- steps
 
 
+def stop_requested(run_dir: Path) -> Callable[[], bool]:
+    """True once a stop is asked for: the run's STOP file (`eagle3data run`'s first Ctrl-C, `eagle3data stop RUN`)."""
+    return lambda: (run_dir / "STOP").exists()
+
+
 def _eval_rows_path(run_dir: Path) -> Path:
     return run_dir / "value" / "eval_prompts.jsonl"
 
@@ -225,7 +230,7 @@ def reference_continuations(params: RunParams, plan: ValuePlan, say: Callable[[s
             return [r["output_ids"] for r in rows]
     if ev.engine:
         served, info = serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
-                             stage="06_plain", concurrency=ev.concurrency, say=say)
+                             stage="06_plain", concurrency=ev.concurrency, say=say, stop=stop_requested(plan.run_dir))
         outs = [s.ids for s in served]
         secs = [s.seconds for s in served]
     else:
@@ -261,7 +266,8 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     tp, ev = params.value.train, params.value.eval
     out = plan.run_dir / "value" / variant
     done = out / "result.json"
-    vd = variant_data(params, variant, plan.handoff, plan.train_rows, plan.train_keys, say)
+    vd = variant_data(params, variant, plan.handoff, plan.train_rows, plan.train_keys, say,
+                      stop=stop_requested(plan.run_dir))
     fp = _fingerprint(params, plan, variant, vd)
     if done.exists():
         prev = json.loads(done.read_text(encoding="utf-8"))
@@ -276,7 +282,7 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     rows = vd.rows
     say(f"{variant}: training on {len(rows):,} rows of {vd.handoff}")
     tr: TrainResult = train_draft(vd.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
-                                  say=lambda s: say(f"{variant}: {s}"))
+                                  say=lambda s: say(f"{variant}: {s}"), stop=stop_requested(plan.run_dir))
     check_draft_layers(tr.draft_dir, plan.layer_ids)
     K = ev.num_speculative_tokens
     draft = load_draft(tr.draft_dir)
@@ -286,7 +292,8 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     offline_s = time.monotonic() - t0
     del draft
     served, info = (serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
-                          stage=f"06_{variant}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency, say=say)
+                          stage=f"06_{variant}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency, say=say,
+                          stop=stop_requested(plan.run_dir))
                     if ev.engine else ([None] * len(seqs), {}))
     per_prompt, per_ds = [], {}
     lossless_all = True
@@ -423,11 +430,12 @@ def value_cli(run: str, variants: list[str] | None = None) -> int:
     """`python -m eagle3data value RUN`: the params recorded in the run, 06 on them; exit 3 when stopped (resumable)."""
 
     params = params_of_run(Path(run))
+    (params.run_dir / "STOP").unlink(missing_ok=True)  # left by an earlier run: a STOP written from now on is this one's
     if variants:
         params = params.model_copy(update={"value": params.value.model_copy(update={"variants": variants})})
     try:
         summary = run_value(params, say=lambda s: print(s, flush=True))
-    except TrainingStopped as e:
+    except ValueStopped as e:
         print(f"stopped: {e}. Resume: python -m eagle3data value {run}", flush=True)
         return 3
     print(summary_lines(summary))

@@ -43,8 +43,12 @@ class ValueStageError(UserInputError):
     """Stage 06 cannot go on: the message names the file or setting."""
 
 
-class TrainingStopped(Exception):
-    """Ctrl-C or SIGTERM during training: the checkpoint holds every finished step."""
+class ValueStopped(Exception):
+    """06 stopped on request (`eagle3data run`'s STOP file, Ctrl-C, SIGTERM): what finished is kept; run it again."""
+
+
+class TrainingStopped(ValueStopped):
+    """A stop during training: the checkpoint holds every finished step."""
 
     def __init__(self, step: int, total: int, checkpoint: Path):
         super().__init__(f"training stopped at step {step:,} of {total:,}; checkpoint {checkpoint}")
@@ -181,10 +185,12 @@ def _save_checkpoint(path: Path, draft: Any, opts: list[Any], scheds: list[Any],
 
 
 def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_dir: Path, cfg: TrainConfig,
-                rows: Sequence[int], *, say: Callable[[str], None] = print, device: str | None = None) -> TrainResult:
+                rows: Sequence[int], *, say: Callable[[str], None] = print, device: str | None = None,
+                stop: Callable[[], bool] | None = None) -> TrainResult:
     """Train one draft on `rows` of the hand-off; resume from `out_dir/checkpoint.pt` when it is there.
 
-    Returns the saved draft folder and the figures. Ctrl-C: the checkpoint is written and TrainingStopped raised."""
+    Returns the saved draft folder and the figures. Ctrl-C, or `stop()` true after a step (the run's STOP file): the
+    checkpoint is written and TrainingStopped raised."""
     import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -258,6 +264,8 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
                     el = time.monotonic() - t0
                     if step % cfg.checkpoint_every == 0 or step == total:
                         _save_checkpoint(ckpt, draft, opts, scheds, step, tokens, el)
+                    if stop is not None and step < total and stop():
+                        raise KeyboardInterrupt  # the same path as Ctrl-C: checkpoint, TrainingStopped
                     if time.monotonic() - last_say > 10 or step == total:
                         last_say = time.monotonic()
                         rate = tokens / el if el else 0.0

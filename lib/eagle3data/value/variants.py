@@ -47,7 +47,7 @@ from eagle3data.export.run import run_export
 from eagle3data.hidden.extract import plan_extract, run_extract
 from eagle3data.hidden.verify.checks import NOT_SAMPLED
 from eagle3data.rebuild.run import run_reconstruct, turns_from_exact
-from eagle3data.value.train import ValueStageError
+from eagle3data.value.train import ValueStageError, ValueStopped
 
 VARIANTS = {
     "exact": "the run's hand-off as it is (exact ids, verified bf16 states): the reference",
@@ -162,8 +162,10 @@ def _fingerprint(vp: RunParams, train_keys: list[str]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def build_variant(params: RunParams, variant: str, train_keys: list[str], say: Callable[[str], None]) -> VariantData:
-    """Make this variant's hand-off with 02/04/05 in `value/<variant>/run/` (kept when built with the same params)."""
+def build_variant(params: RunParams, variant: str, train_keys: list[str], say: Callable[[str], None],
+                  stop: Callable[[], bool] | None = None) -> VariantData:
+    """Make this variant's hand-off with 02/04/05 in `value/<variant>/run/` (kept when built with the same params);
+    `stop()` is asked between the stages (a stopped build resumes through them)."""
     vp = variant_params(params, variant)
     vrun = vp.run_dir
     handoff = vrun / "export" / "speculators"
@@ -180,11 +182,17 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
     for name, rs in recs.items():
         write_atomic(vrun / "records" / f"{name}.jsonl", b"".join(orjson.dumps(r) + b"\n" for r in rs))
     info: dict[str, Any] = {"variant": variant, "fingerprint": fp, "records": {n: len(r) for n, r in recs.items()}}
+    def check_stop(before: str) -> None:
+        if stop is not None and stop():
+            raise ValueStopped(f"{variant}: stopped before {before} (what the stages wrote is kept)")
+
     if variant in ("retokenized", "dataset_replies"):
+        check_stop("02")
         say(f"{variant}: 02 rebuilds ids from {sum(info['records'].values()):,} records' text")
         rr = run_reconstruct(vp, progress=False)
         info["api_records"] = rr.summary.get("api_records")
         info["proof_levels"] = (rr.summary.get("overall") or {}).get("proof_levels")
+    check_stop("04")
     say(f"{variant}: 04 computes the states ({vp.hidden.backend}, storage {vp.hidden.storage}, layout {vp.hidden.layout})")
     if variant == "shifted":
         with _states_one_early():
@@ -207,6 +215,7 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
         info["verify_hidden"] = {"ok": p.returncode == 0, "failed_samples": s.get("failed_samples"),
                                  "samples": s.get("samples"), "exit": p.returncode,
                                  "line": (p.stdout.strip().splitlines() or [p.stderr.strip()[-300:]])[0]}
+    check_stop("05")
     say(f"{variant}: 05 writes the speculators hand-off")
     run_export(vp)
     info["seconds"] = round(time.monotonic() - t0, 1)
@@ -221,10 +230,10 @@ def _rows_of(handoff: Path, train_keys: list[str]) -> list[int]:
 
 
 def variant_data(params: RunParams, variant: str, handoff: Path, train_rows: list[int], train_keys: list[str],
-                 say: Callable[[str], None]) -> VariantData:
+                 say: Callable[[str], None], stop: Callable[[], bool] | None = None) -> VariantData:
     """The hand-off and rows this variant trains on."""
     if variant == "exact":
         return VariantData(handoff, list(train_rows))
     if variant == "half":
         return VariantData(handoff, list(train_rows[: max(1, len(train_rows) // 2)]))
-    return build_variant(params, variant, train_keys, say)
+    return build_variant(params, variant, train_keys, say, stop)
