@@ -161,3 +161,35 @@ def test_the_storage_rule_switches_a_layout_only_when_its_loss_is_proven_small()
     assert d["default"] == {"shards": "bf16", "speculators": "fp8_e4m3", "specforge": "bf16"}
     d = storage_decision({"variants": [_summary([0, 0], [0, 0])["variants"][0]]})
     assert d["default"]["shards"] == "bf16" and d["int8"] == {"measured": False}
+
+
+def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
+    from eagle3data.audit.report import value_html
+    from eagle3data.value.plots import diff_figure, diff_table, position_figure, summary_markdown
+    from eagle3data.value.run import summary_lines
+
+    f = {"prompts": 10, "tau_engine": 1.4, "tau_engine_ci95": [1.3, 1.5], "tau_offline": 1.45,
+         "tau_offline_ci95": [1.35, 1.55], "per_position": [0.3, 0.08, 0.02], "per_position_engine": [0.3, 0.07, 0.02],
+         "lossless": True}
+    d = {"prompts": 10, "tau_engine": -0.31, "tau_engine_ci95": [-0.35, -0.27], "tau_offline": -0.3,
+         "tau_offline_ci95": [-0.33, -0.26], "eval_tokens": 1280, "significant": True, "eval_tokens_to_resolve": None}
+    s = {"eval": {"num_speculative_tokens": 3},
+         "variants": [{"variant": "exact", "about": "x", "train_tokens": 100, "per_dataset": {"humaneval": f}},
+                      {"variant": "shifted", "about": "one early", "train_tokens": 100, "per_dataset": {"humaneval": f},
+                       "diff_to_exact": d, "verify_hidden": {"ok": False, "failed_samples": 7, "samples": 9, "exit": 1}},
+                      {"variant": "int8", "about": "8 bits", "train_tokens": 100, "per_dataset": {"humaneval": f},
+                       "diff_to_exact": d | {"tau_engine": 0.004, "tau_engine_ci95": [-0.01, 0.02],
+                                             "significant": False, "eval_tokens_to_resolve": 40000}}]}
+    s["storage_decision"] = storage_decision(s | {"variants": [dict(v, per_dataset=v["per_dataset"]) for v in s["variants"]]})
+    md = summary_markdown(s)
+    assert "| shifted | **-0.310** (-0.35–-0.27)" in md and "exit 1: 7 of 9 failed" in md and "| 40,000 |" in md
+    text = summary_lines(s)
+    assert "vs exact: Δτ engine -0.31" in text and "~40,000 would resolve it" in text and "storage default" in text
+    t = diff_table(s)
+    assert list(t["variant"]) == ["shifted", "int8"] and list(t["verify-hidden exit"])[0] == 1
+    assert diff_figure(s) is not None and diff_figure({"variants": s["variants"][:1]}) is None
+    assert position_figure(s) is not None
+    (tmp_path / "value").mkdir()
+    (tmp_path / "value" / "summary.json").write_text(json.dumps(s))
+    page = value_html(tmp_path)
+    assert "Each variant against exact" in page and "verify-hidden exit 1" in page and "Storage default" in page

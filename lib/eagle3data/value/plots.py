@@ -106,3 +106,34 @@ def loss_figure(run_dir: Path, summary: dict[str, Any]) -> Any:
     ax.set_title("Training loss")
     fig.tight_layout()
     return fig
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The table as docs/06 shows it (markdown): τ per variant and evaluation set, then each variant against exact."""
+
+    def ci(c: Any) -> str:
+        return f"({c[0]:.2f}–{c[1]:.2f})" if c else ""
+
+    out = ["| variant | evaluation set | prompts | τ engine (95%) | τ offline (95%) | per position, engine | lossless |",
+           "|---|---|---|---|---|---|---|"]
+    for v in summary["variants"]:
+        for ds, f in v["per_dataset"].items():
+            pos = " / ".join(f"{x:.1%}" for x in (f.get("per_position_engine") or f["per_position"]) if x is not None)
+            te = f"**{f['tau_engine']:.3f}** {ci(f['tau_engine_ci95'])}" if f["tau_engine"] is not None else "–"
+            out.append(f"| {v['variant']} | {ds} | {f['prompts']} | {te} | {f['tau_offline']:.3f} "
+                       f"{ci(f['tau_offline_ci95'])} | {pos} | {f['lossless']} |")
+    diffs = [v for v in summary["variants"] if v.get("diff_to_exact")]
+    if diffs:
+        out += ["", "| variant | Δτ engine (95%) | Δτ offline (95%) | significant | eval tokens to resolve | "
+                    "verify-hidden | train tokens |", "|---|---|---|---|---|---|---|"]
+        for v in diffs:
+            d = v["diff_to_exact"]
+            vh = v.get("verify_hidden") or {}
+            ver = (f"exit {vh['exit']}: {vh.get('failed_samples')} of {vh.get('samples')} failed" if "exit" in vh
+                   else "passed" if vh.get("ok") else "")
+            te = f"**{d['tau_engine']:+.3f}** {ci(d['tau_engine_ci95'])}" if d.get("tau_engine") is not None else "–"
+            to = f"{d['tau_offline']:+.3f} {ci(d['tau_offline_ci95'])}" if d.get("tau_offline") is not None else "–"
+            res = f"{d['eval_tokens_to_resolve']:,}" if d.get("eval_tokens_to_resolve") else ""
+            out.append(f"| {v['variant']} | {te} | {to} | {'yes' if d['significant'] else 'no'} | {res} | {ver} | "
+                       f"{v['train_tokens']:,} |")
+    return "\n".join(out)
