@@ -91,3 +91,37 @@ def test_print_engine_command_gives_both_passes_servers_and_01s(capsys):
     assert print_engine_command(p, "01_generate") == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("SGLANG_USE_CPU_ENGINE=1 ") and "--disable-radix-cache" not in line  # 01 keeps its cache
+
+
+HEALTHY = """import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+print(sys.argv[2], flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_relaunch_on_the_same_log_is_not_taken_for_dead_by_the_last_launchs_shutdown(tmp_path):
+    """A launched server's log is appended to, and SGLang's normal shutdown writes "SIGQUIT received": a second launch
+    on the same log (verify-hidden after 04's own verify, a rerun of 04) reads only its own lines for a dead scheduler."""
+    import sys
+
+    from eagle3data.core.errors import UserInputError as Refused
+    from eagle3data.generate.backends.sglang_server import SGLangServer
+    from eagle3data.generate.backends.vllm_server import EngineCommand, free_port
+
+    log = tmp_path / "engine" / "sglang_verify_aux.log"
+    log.parent.mkdir()
+    log.write_text("[earlier launch] SIGQUIT received. signum=None, frame=None. It usually means one child failed.\n")
+    port = free_port("127.0.0.1")
+    ok = EngineCommand([sys.executable, "-c", HEALTHY, str(port), "up"], {}, f"http://127.0.0.1:{port}", log, 60)
+    with SGLangServer(ok, progress=False) as srv:
+        assert srv.dead_reason() is None
+    port = free_port("127.0.0.1")
+    dead = EngineCommand([sys.executable, "-c", "import sys, time; print(sys.argv[1], flush=True); time.sleep(60)",
+                          "Scheduler hit an exception"], {}, f"http://127.0.0.1:{port}", log, 60)
+    with pytest.raises(Refused, match="died before it was healthy \\(Scheduler hit an exception\\)"):
+        SGLangServer(dead, progress=False).start()

@@ -72,10 +72,20 @@ class SGLangServer(VLLMServer):
     engine = "SGLang"
     build_hint = "run `make sglang` (SGLang in its own venv, .sglang/), or set server.python"
 
+    def start(self) -> "SGLangServer":
+        try:  # the log is appended to: an earlier launch's shutdown (its own "SIGQUIT received") is not this one's
+            self._log_from = self.cmd.log.stat().st_size
+        except OSError:
+            self._log_from = 0
+        return super().start()
+
     def dead_reason(self) -> str | None:
-        """A log line saying the scheduler died (the API process may stay up and never answer /health)."""
+        """A line of this launch's log saying the scheduler died (the API process may stay up and never answer
+        /health)."""
         try:
-            text = self.cmd.log.read_text(encoding="utf-8", errors="replace")
+            with open(self.cmd.log, "rb") as f:
+                f.seek(getattr(self, "_log_from", 0))
+                text = f.read().decode("utf-8", errors="replace")
         except OSError:
             return None
         return next((m for m in SCHEDULER_DIED if m in text), None)
