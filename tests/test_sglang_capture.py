@@ -1,5 +1,5 @@
 """04's SGLang client without a server: the layer ids in SGLang's convention, the params it refuses, the checks of a
-reply (tests/test_sglang_engine.py runs it on the real engine)."""
+reply, verify-hidden's SGLang recompute's refusals (tests/test_sglang_engine.py runs both on the real engine)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import orjson
 import pytest
+import torch
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import load_params
@@ -91,6 +92,35 @@ def test_print_engine_command_gives_both_passes_servers_and_01s(capsys):
     assert print_engine_command(p, "01_generate") == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("SGLANG_USE_CPU_ENGINE=1 ") and "--disable-radix-cache" not in line  # 01 keeps its cache
+
+
+def test_the_sglang_recompute_refuses_in_one_line_naming_the_pass_and_the_server(tmp_path):
+    """verify-hidden's `sglang` backend (verify/sglang.py): a server that does not answer is one VerifyError naming the
+    pass and its URL, and the scratch folder is gone after `close()`; a sequence `prepare` was not given is refused;
+    a store SGLang cannot have made (a pre-norm state), or a run without `hidden.sglang`, is refused up front."""
+    from eagle3data.hidden.mix import hidden_dir
+    from eagle3data.hidden.verify.checks import VerifyError
+    from eagle3data.hidden.verify.sglang import sglang_backend
+
+    p = load_params(CI, {"output_root": str(tmp_path), "hidden.backend": "sglang", "hidden.final_state": "post_norm",
+                         "hidden.sglang": {"base_url": "http://127.0.0.1:9", "final_url": "http://127.0.0.1:10",
+                                           "max_retries": 0}})
+    hidden_dir(p).mkdir(parents=True)
+    info = {"states": ["aux_low", "aux_mid", "aux_high", "post_norm"], "dtype": "bfloat16", "hidden_size": 8,
+            "hf_indices": [2, 15, 27]}
+    redo = sglang_backend(p, info, cfg("LlamaForCausalLM"), aux_layers(30))()
+    with pytest.raises(VerifyError, match=r"^recompute via SGLang, aux pass \(server http://127.0.0.1:9\): .*"
+                                          "unreachable") as e:
+        redo.prepare([[1, 2, 3], [1, 2, 3]])
+    assert "\n" not in str(e.value)
+    with pytest.raises(VerifyError, match="a sequence of 3 ids that prepare\\(\\) was not given"):
+        redo.run(torch.tensor([[1, 2, 3]]))
+    redo.close()
+    assert not list(hidden_dir(p).iterdir())
+    with pytest.raises(VerifyError, match=r"holds \['aux_low', 'aux_mid', 'aux_high', 'pre_norm'\]"):
+        sglang_backend(p, {**info, "states": ["aux_low", "aux_mid", "aux_high", "pre_norm"]}, None, aux_layers(30))
+    with pytest.raises(VerifyError, match="needs the run's `hidden.sglang` section"):
+        sglang_backend(load_params(CI), info, None, aux_layers(30))
 
 
 HEALTHY = """import http.server, sys

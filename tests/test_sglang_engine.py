@@ -6,7 +6,9 @@ every key of the ci run (greedy), finish reasons and usage read from the real `m
 server the fault tests use (tests/loopback.py) answers what the real one answers, field by field: the shapes of a
 reply, a batch, `meta_info`, `finish_reason` (stop, length) and the errors on bad input; (c) 04 with `hidden.backend:
 sglang` (two launched servers in turn: aux, then final; radix cache off) stores what 04 via HF stores, within bf16
-per sample and state, passes `verify-hidden`, and SpecForge's loader reads its export; (d) no stand-in kernel is
+per sample and state, passes `verify-hidden` with its picked samples recomputed through SGLang (04's own verify: the
+two servers launched again in turn), `verify-hidden --recompute all` catches a fault only the recompute sees, and
+SpecForge's loader reads its export; (d) no stand-in kernel is
 called: every server log of this module shows the stand-in loaded in its processes and never called.
 One server at a time (each takes ~4.5 GB). Skipped, with the reason, only where the SGLang venv is absent (`make test`
 builds it first).
@@ -185,7 +187,7 @@ def both_stores(ci_run, tmp_path_factory):
             res = run_extract(p, progress=False, model=model_for(p) if backend == "hf" else None)
         assert res.merged and res.validation.ok, (backend, res.stats)
         out[backend] = (p, res)
-    LOGS.extend(sorted((out["sglang"][0].run_dir / "engine").glob("sglang_hidden_*.log")))
+    LOGS.extend(sorted((out["sglang"][0].run_dir / "engine").glob("sglang_*.log")))  # the capture's and the verify's
     return out
 
 
@@ -207,11 +209,65 @@ def test_04_via_sglang_stores_what_04_via_hf_stores(both_stores):
     assert "--return-aux-hidden-state-layer-ids 1 14 26" in aux_log and "--disable-radix-cache" in aux_log
 
 
+def test_04s_own_verify_recomputes_the_sglang_store_through_sglang(both_stores):
+    """04's verify pass (hidden.verify_after) recomputes its picked samples through SGLang itself: its own two launched
+    servers (the capture's commands, logs sglang_verify_*), every stored layer within the store's tolerance."""
+    p, r = both_stores["sglang"]
+    v = r.verification
+    s = v.summary
+    assert v.ok and s["recomputed"] >= 1 and s["checks"]["recompute"] == {**s["checks"]["recompute"], "failed": 0,
+                                                                         "applicable": s["recomputed"]}, s["checks"]
+    layers = [x for row in v.rows if "recompute" in row for x in row["recompute"].values()]
+    assert len(layers) == 4 * s["recomputed"] and not any(x["off_share"] or x["gross"] for x in layers), layers
+    logs = p.run_dir / "engine"
+    aux = (logs / "sglang_verify_aux.log").read_text().splitlines()[0]
+    final = (logs / "sglang_verify_final.log").read_text().splitlines()[0]
+    assert "--return-aux-hidden-state-layer-ids 1 14 26" in aux and "--disable-radix-cache" in aux
+    assert final.endswith("--enable-return-hidden-states") and "--disable-radix-cache" in final
+    assert not list(hidden_dir(p).glob("sglang_verify_*"))  # the recompute's scratch is gone
+
+
 def test_verify_hidden_passes_on_the_sglang_store(both_stores, tmp_path):
     p, _ = both_stores["sglang"]
     assert verify_cli(str(p.run_dir), recompute="0", positions=0, out=str(tmp_path / "v.jsonl")) == 0
     rows = [orjson.loads(x) for x in (tmp_path / "v.jsonl").read_bytes().splitlines()]
     assert rows and not any(r["failed"] for r in rows)
+
+
+def test_verify_hidden_recomputes_through_sglang_and_catches_what_only_the_recompute_sees(both_stores, tmp_path):
+    """`verify-hidden --recompute all` on a copy of the SGLang store (the run's params: launched servers, one at a
+    time) whose first sample has its aux_mid rows one position off (an engine's off-by-one in one layer: the same
+    rows' norms, the same profile, a layer the head never reads): every sample is recomputed through SGLang, that
+    sample fails `recompute`, no other does, and the exit status is 1."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from eagle3data.core.provenance import params_of_run
+    from runfiles import as_written
+
+    p, _ = both_stores["sglang"]
+    run = tmp_path / p.run_name
+    shutil.copytree(p.run_dir, run)
+    hdir = hidden_dir(params_of_run(run))
+    rd = HiddenReader(hdir)
+    assert rd.layout == "shards"
+    key, row = rd.keys()[0], rd.index.iloc[0]
+    shard, a, n = row["shard"], int(row["offset"]), int(row["length"])
+    t = load_file(str(hdir / shard))
+    with safe_open(str(hdir / shard), framework="pt") as f:
+        meta = f.metadata()
+    t["hidden_states"][a:a + n, 1] = torch.roll(t["hidden_states"][a:a + n, 1].clone(), 1, dims=0)
+    save_file(t, str(hdir / shard), metadata=meta)
+    as_written(hdir, shard)  # the fault as the engine would have written it: only the checks under test see it
+    assert verify_cli(str(run), recompute="all", positions=0, out=str(tmp_path / "v.jsonl")) == 1
+    LOGS.extend(sorted((run / "engine").glob("sglang_verify_*.log")))
+    rows = {r["key"]: r for r in (orjson.loads(x) for x in (tmp_path / "v.jsonl").read_bytes().splitlines())}
+    assert len(rows) == len(rd) >= 4 and all("recompute" in r for r in rows.values())
+    assert "recompute" in rows[key]["failed"], rows[key]
+    assert rows[key]["recompute"]["aux_mid"]["off_share"] > 0.5, rows[key]["recompute"]
+    assert not [k for k, r in rows.items() if k != key and "recompute" in r["failed"]]
+    s = orjson.loads((hdir / "verify_summary.json").read_bytes())
+    assert s["recomputed"] == len(rows) and s["checks"]["recompute"]["failed"] == 1
 
 
 def test_specforges_loader_reads_the_sglang_store(both_stores, tmp_path):

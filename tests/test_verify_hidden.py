@@ -245,6 +245,38 @@ def test_the_clean_store_passes_every_check_with_recompute_all(clean, tmp_path):
     assert info["verification"]["ok"] is True and info["verification"]["samples"] == 8
 
 
+def test_a_backend_with_prepare_gets_every_picked_samples_stored_ids_before_the_pass(clean, tmp_path):
+    """A recompute backend that computes all its samples at once (SGLang's two passes, verify/sglang.py) has
+    `prepare`: verify_store hands it the stored ids of exactly the picked samples, in store order, before its first
+    `run`, and each `run` asks for one of them; `hf` and `vllm` backends have none and are called as before."""
+    from eagle3data.hidden.verify.run import recompute_picks
+
+    calls = []
+
+    class Prepared(_Memo):
+        def prepare(self, samples):
+            calls.append(("prepare", [list(x) for x in samples]))
+
+        def run(self, input_ids):
+            calls.append(("run", input_ids[0].tolist()))
+            return super().run(input_ids)
+
+        def close(self):
+            calls.append(("close", None))
+            super().close()
+
+    p = _copy(clean, tmp_path)
+    cfg, rd = load_config(p), HiddenReader(hidden_dir(p))
+    make = BACKENDS["hf"](p, rd.info, cfg, model=_model(p))
+    res = verify_store(p, config=cfg, backend=lambda: Prepared(make()), recompute=1)
+    picks = recompute_picks(rd, 1)
+    want = [rd.stored_ids(i)[0] for i, k in enumerate(rd.keys()) if k in picks]
+    assert len(want) == len(picks) >= 1 and calls[0] == ("prepare", want) and calls[-1] == ("close", None)
+    runs = [ids for what, ids in calls[1:-1]]
+    assert [what for what, _ in calls[1:-1]] == ["run"] * len(want) and sorted(runs) == sorted(want)
+    assert res.ok and res.summary["recomputed"] == len(picks)
+
+
 @pytest.mark.parametrize("kind", list(MUTATIONS))
 def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
     global _HEAD

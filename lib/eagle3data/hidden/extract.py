@@ -55,6 +55,7 @@ from eagle3data.hidden.engines.sglang_capture import capture_sglang, sglang_laye
 from eagle3data.hidden.engines.vllm_capture import capture_vllm, holds_vllm_server, vllm_layers_note
 from eagle3data.hidden.verify.run import VerifyResult, verify_store
 from eagle3data.hidden.merge import IncompleteError, merge_store
+from eagle3data.hidden.verify.sglang import sglang_backend
 from eagle3data.hidden.verify.vllm import vllm_backend
 
 STAGE = "04_extract_hidden"
@@ -389,13 +390,18 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     result.index = index
     if hp.validate_after:
         result.validation = validate_store(params, mix=mix)
-    if hp.verify_after:  # the store's backend recomputes a few samples per shard: the model at hand, or the same server
-        make = vllm_backend(params, info, config, layers) if hp.backend == "vllm" else lambda: Capture(  # noqa: E731
-            plan.model if plan.model is not None else load_extract_model(params), layers, _torch_dtype(hp.dtype), hp.final_state)
-        # SGLang has no recompute backend (its two passes need both servers at once): statistics and head checks only
-        recompute = 0 if hp.backend == "sglang" else hp.verify_recompute
+    if hp.verify_after:  # the store's backend recomputes a few samples per shard: the model at hand, the same vLLM
+        # server, or SGLang's two passes over the picked samples (the same servers; with launch, started again in turn)
+        if hp.backend == "vllm":
+            make = vllm_backend(params, info, config, layers)
+        elif hp.backend == "sglang":
+            make = sglang_backend(params, info, config, layers)
+        else:
+            make = lambda: Capture(  # noqa: E731
+                plan.model if plan.model is not None else load_extract_model(params), layers, _torch_dtype(hp.dtype),
+                hp.final_state)
         result.verification = verify_store(params, config=config, backend=make, positions=hp.verify_positions,
-                                           recompute=recompute)
+                                           recompute=hp.verify_recompute)
     return result
 
 

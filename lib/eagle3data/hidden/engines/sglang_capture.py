@@ -83,17 +83,18 @@ def sglang_layers_note(layers: AuxLayers, config: Any) -> str:
             "(--return-aux-hidden-state-layer-ids), then the final state after the norm; radix cache off")
 
 
-def aux_command(params: RunParams, layers: AuxLayers, config: Any):
-    """The aux pass's server command (also printed by `--print-engine-command`)."""
+def aux_command(params: RunParams, layers: AuxLayers, config: Any, stage: str = "hidden_aux"):
+    """The aux pass's server command (also printed by `--print-engine-command`); `stage` names its log
+    (`<run>/engine/sglang_<stage>.log`: verify-hidden's recompute launches its own)."""
     ids = [str(x) for x in sglang_layer_ids(layers, config)]
-    return sglang_command(params, params.hidden.sglang, stage="hidden_aux", radix_cache=False,
+    return sglang_command(params, params.hidden.sglang, stage=stage, radix_cache=False,
                           extra_args=["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                                       "--return-aux-hidden-state-layer-ids", *ids])
 
 
-def final_command(params: RunParams):
-    """The final pass's server command."""
-    return sglang_command(params, params.hidden.sglang, stage="hidden_final", radix_cache=False,
+def final_command(params: RunParams, stage: str = "hidden_final"):
+    """The final pass's server command (`stage`: as `aux_command`'s)."""
+    return sglang_command(params, params.hidden.sglang, stage=stage, radix_cache=False,
                           extra_args=["--enable-return-hidden-states"])
 
 

@@ -2,8 +2,9 @@
 
 A recompute backend is a factory of what `capture.Capture` is (`run(input_ids) -> states`,
 `close()`), so the forward is 04's own: `hf` is `Capture` on the target loaded as 04 loads it;
-`vllm` (`verify/vllm.py`) recomputes through a vLLM server, for a store that backend made; the
-run's `hidden.backend` picks.
+`vllm` (`verify/vllm.py`) recomputes through a vLLM server, for a store that backend made; `sglang`
+(`verify/sglang.py`) through 04's two SGLang passes, run over every picked sample before the pass
+(its `prepare`); the run's `hidden.backend` picks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from eagle3data.hidden.store.format import _torch_dtype
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.verify.checks import VerifyError
 from eagle3data.hidden.verify.run import DEFAULT_POSITIONS, DEFAULT_RECOMPUTE, verify_store
+from eagle3data.hidden.verify.sglang import sglang_backend
 from eagle3data.hidden.verify.vllm import vllm_backend
 
 
@@ -43,13 +45,9 @@ def vllm_recompute(params: RunParams, info: dict[str, Any], config: Any, model: 
 
 
 def sglang_recompute(params: RunParams, info: dict[str, Any], config: Any, model: Any = None) -> Callable[[], Any]:
-    """A store made through SGLang: its two passes would need both servers at once; no recompute backend yet."""
-
-    def make() -> Any:
-        raise VerifyError("verify-hidden: no recompute through SGLang (a store of hidden.backend sglang): run with "
-                          "--recompute 0 (statistics and head checks), or --backend hf where the target fits")
-
-    return make
+    """Through SGLang (`verify/sglang.py`: the run's `hidden.sglang`, 04's two passes over the picked samples), for a
+    store that backend made."""
+    return sglang_backend(params, info, config, layer_plan(params, config))
 
 
 BACKENDS: dict[str, Callable[..., Callable[[], Any]]] = {"hf": hf_backend, "vllm": vllm_recompute,

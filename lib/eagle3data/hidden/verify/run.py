@@ -32,7 +32,7 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.core.stats import upper95, upper95_text
 from eagle3data.generate.backends.vllm_server import server_dtype
 from eagle3data.hidden.mix import _chosen, hidden_dir, read_mix, tmp_tag
-from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE, _torch_dtype, stored_bytes_per_token
+from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE, HiddenError, _torch_dtype, stored_bytes_per_token
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.store.validation import sample_problems
 from eagle3data.hidden.verify.checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFILE_SAMPLES, NOT_SAMPLED,
@@ -55,6 +55,8 @@ DEFAULT_POSITIONS = 64  # the most head positions per sample (exact, output z, p
 
 # A recompute backend: what `capture.Capture` is: `run(input_ids [1, n]) -> states [1, n, S, hidden]` in the
 # store's order and dtype, and `close()`. `verify_store` takes a factory of one, called only when a sample is picked.
+# One that cannot answer a sample at a time (SGLang's two passes, `verify/sglang.py`) also has `prepare(id lists)`:
+# given every picked sample's stored ids before the pass, it computes them all; `run` then serves them.
 Backend = Callable[[], Any]
 
 
@@ -122,9 +124,11 @@ class VerifyResult:
 
 def compute_dtype(params: RunParams) -> str:
     """The dtype the target computes its states in, for the recompute's tolerance: the HF model's (`model.dtype`),
-    or the vLLM server's (`hidden.vllm.server.dtype`, else `model.dtype`; `auto`, the checkpoint's: taken as bf16)."""
-    hv = params.hidden.vllm
-    d = server_dtype(params, hv) if params.hidden.backend == "vllm" and hv is not None else params.model.dtype
+    or the vLLM or SGLang server's (`hidden.vllm.server.dtype`, `hidden.sglang.server.dtype`, else `model.dtype`;
+    `auto`, the checkpoint's: taken as bf16)."""
+    hp = params.hidden
+    engine = {"vllm": hp.vllm, "sglang": hp.sglang}.get(hp.backend)
+    d = server_dtype(params, engine) if engine is not None else params.model.dtype
     return "bfloat16" if d == "auto" else d
 
 
@@ -181,10 +185,18 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
         if backend is None:
             raise VerifyError(f"{len(picks)} samples picked for recompute, but no recompute backend was given")
         redo = backend()
+    setup_s = time.perf_counter() - t0  # the records, the mix, the head's tensors and moments: once
+    recompute_s = 0.0
+    if redo is not None and hasattr(redo, "prepare"):  # every picked sample's stored ids, at once (see `Backend`)
+        t1 = time.perf_counter()
+        try:
+            redo.prepare(_picked_ids(reader, picks))
+        except BaseException:
+            redo.close()
+            raise
+        recompute_s = time.perf_counter() - t1
     rows: list[dict[str, Any]] = []
     store_problems: list[dict[str, Any]] = []
-    recompute_s = 0.0
-    setup_s = time.perf_counter() - t0  # the records, the mix, the head's tensors and moments: once
     batch = HeadBatch(head)
     token_bytes = stored_bytes_per_token(info)
     vocab, hidden = (int(d) for d in head.lm_head.shape)
@@ -279,6 +291,19 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     _write(hdir / SUMMARY_FILE, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     _record_in_index(hdir, summary)
     return VerifyResult(hdir, rows, summary, lines, store_problems)
+
+
+def _picked_ids(reader: HiddenReader, picks: set[str]) -> list[list[int]]:
+    """The stored input ids of the picked samples, in store order (a file that does not read gives none: its samples
+    fail `readable` in the pass and are never recomputed)."""
+    out = []
+    for i, key in enumerate(reader.keys()):
+        if key in picks:
+            try:
+                out.append(reader.stored_ids(i)[0])
+            except HiddenError:
+                continue
+    return out
 
 
 def _file_rows(rows: list[dict[str, Any]], files: dict[str, dict[str, str]], reader: HiddenReader,
