@@ -21,6 +21,7 @@ from eagle3data.core.params import load_params
 from eagle3data.core.models import tokenizer_for
 from eagle3data.export.run import run_export
 from eagle3data.hidden.extract import run_extract
+from eagle3data.prompts.load import load_datasets
 from eagle3data.value.run import paired_diff, storage_decision
 from eagle3data.value.train import TrainConfig, _loader
 from eagle3data.value.variants import build_variant, variant_data
@@ -31,16 +32,20 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def base(ci_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("ablation")
-    (root / "ci" / "records").mkdir(parents=True)
-    for f in (ci_run.run_dir / "records").glob("*.jsonl"):
-        lines = [orjson.loads(x) for x in f.read_bytes().splitlines() if x.strip()]
-        for r in lines:
-            r["meta"] = (r.get("meta") or {}) | {"reference_reply": f"Use `sorted(xs)` for {r['sample_id']} — a new "
-                                                                     "list, the input unchanged ✓."}
-        (root / "ci" / "records" / f.name).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
+    shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
+    # the ci datasets as prompt files carrying the dataset's own reply (meta.reference_reply, as a published row that
+    # ends with an assistant turn gives it, and as builtin:v1_stdlib_tasks holds it)
+    datasets = []
+    for name, ps in load_datasets(ci_run).items():
+        path = root / f"{name}.jsonl"
+        rows = [p.as_row() | {"meta": {"reference_reply": f"Use `sorted(xs)` for {name}/{p.sample_id} — a new list, "
+                                                          "the input unchanged ✓."}} for p in ps.prompts]
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        datasets.append({"name": name, "path": str(path), "format": "prompts"})
     p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
                                                   "hidden.layout": "speculators", "export.draft_vocab_size": 64,
                                                   "export.formats": ["speculators"]})
+    p = p.model_copy(update={"datasets": [type(p.datasets[0]).model_validate(d) for d in datasets]})
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)
         mp.delenv("WORLD_SIZE", raising=False)
@@ -87,7 +92,7 @@ def test_each_variant_is_built_by_the_stages_and_is_what_its_name_says(base, mon
     dds = load_from_disk(str(d.handoff))
     for k, i in drow.items():
         text = tok.decode([int(t) for t, m in zip(dds[i]["input_ids"], dds[i]["loss_mask"]) if m])
-        assert f"for {k.split('/', 1)[1]} — a new list, the input unchanged ✓." in text
+        assert f"Use `sorted(xs)` for {k} — a new list, the input unchanged ✓." in text
 
     # shifted: 04's writer got each sample's states one row early; verify-hidden's own command fails the store
     s = build_variant(base, "shifted", keys, said.append)
@@ -130,7 +135,7 @@ def test_dataset_replies_without_replies_is_refused_in_one_line(ci_run, tmp_path
     p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path)})
     keys = [f"{json.loads(x)['dataset']}/{json.loads(x)['sample_id']}"
             for f in (tmp_path / "ci" / "records").glob("*.jsonl") for x in f.read_text().splitlines() if x]
-    with pytest.raises(ValueStageError, match=r"records/b1_glaive.jsonl: no record has meta.reference_reply"):
+    with pytest.raises(ValueStageError, match=r"builtin:b1_glaive: no prompt of dataset b1_glaive has meta.reference_reply"):
         build_variant(p, "dataset_replies", keys, lambda s: None)
 
 

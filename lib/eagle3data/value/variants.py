@@ -6,7 +6,8 @@ ones) and made into a speculators hand-off by 02, 04 and 05 with params, as a us
 
 - `retokenized`: the exact records as an API returns them (text, billed counts; no ids) -> 02 rebuilds the ids
   from the text (its one split and checks) -> 04 computes the states for those ids -> 05;
-- `dataset_replies`: the dataset's own replies (`meta.reference_reply`) in place of the target's outputs, as text
+- `dataset_replies`: the dataset's own replies (its prompt file's `meta.reference_reply`, read as 01 reads the
+  file) in place of the target's outputs, as text
   records -> 02 -> 04 -> 05: what a user trains on who skips 01 (02's proof is `text`: no billed counts, so 04's
   `min_proof_level` is `text` for it);
 - `shifted`: 04 on the exact records with the engine's states handed to the writer one position early (row t holds
@@ -46,6 +47,7 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.export.run import run_export
 from eagle3data.hidden.extract import plan_extract, run_extract
 from eagle3data.hidden.verify.checks import NOT_SAMPLED
+from eagle3data.prompts.load import load_datasets
 from eagle3data.rebuild.run import run_reconstruct, turns_from_exact
 from eagle3data.value.train import ValueStageError, ValueStopped
 
@@ -113,7 +115,7 @@ def variant_records(params: RunParams, variant: str, train_keys: list[str]) -> d
     keep = {_conv(k) for k in train_keys}
     view = read_run(params.run_dir, [d.name for d in params.datasets], rebuilt=False, verdicts=False)
     out: dict[str, list[dict[str, Any]]] = {}
-    tok = profile = None
+    tok = profile = replies = None
     for name, lines in view.datasets.items():
         recs = [r for r in lines.records() if _conv(str(SampleKey.of(r))) in keep]
         if variant == "retokenized":
@@ -124,18 +126,30 @@ def variant_records(params: RunParams, variant: str, train_keys: list[str]) -> d
                                          "finish_reason": r["finish_reason"], "usage": r.get("usage")}
                                         for r, t in zip(exact, turns)], "retokenized")
         elif variant == "dataset_replies":
-            with_reply = [r for r in recs if isinstance((r.get("meta") or {}).get("reference_reply"), str)
-                          and r.get("turn") is None]
+            if replies is None:
+                replies = _dataset_replies(params)
+            got = replies.get(name, {})
+            with_reply = [r for r in recs if str(r["sample_id"]) in got and r.get("turn") is None]
             if recs and not with_reply:
-                raise ValueStageError(f"{lines.path}: no record has meta.reference_reply (the dataset's own reply): "
-                                      "variant dataset_replies needs a dataset whose rows end with an assistant reply")
+                src = next((d.path for d in params.datasets if d.name == name), name)
+                raise ValueStageError(f"{src}: no prompt of dataset {name} has meta.reference_reply (the dataset's own "
+                                      "reply): variant dataset_replies needs a dataset whose rows end with an "
+                                      "assistant reply")
             recs = [r | {"sampling": None} for r in  # the target sampled none of it
-                    _api_records(with_reply, [{"reasoning": None, "content": r["meta"]["reference_reply"],
-                                               "tool_calls": (r.get("meta") or {}).get("reference_tool_calls"),
+                    _api_records(with_reply, [{"reasoning": None, "content": got[str(r["sample_id"])][0],
+                                               "tool_calls": got[str(r["sample_id"])][1],
                                                "finish_reason": "stop", "usage": None} for r in with_reply],
                                  NOT_SAMPLED)]
         out[name] = recs
     return out
+
+
+def _dataset_replies(params: RunParams) -> dict[str, dict[str, tuple[str, Any]]]:
+    """Each dataset's own replies, from its prompt file as 01 loads it (`meta.reference_reply`, kept when a row ends
+    with an assistant turn): dataset -> sample_id -> (reply, its tool calls)."""
+    return {name: {str(p.sample_id): (p.meta["reference_reply"], p.meta.get("reference_tool_calls"))
+                   for p in ps.prompts if isinstance(p.meta.get("reference_reply"), str)}
+            for name, ps in load_datasets(params).items()}
 
 
 @contextmanager
