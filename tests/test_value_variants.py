@@ -198,3 +198,13 @@ def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
     (tmp_path / "value" / "summary.json").write_text(json.dumps(s))
     page = value_html(tmp_path)
     assert "Each variant against exact" in page and "verify-hidden exit 1" in page and "Storage default" in page
+
+
+def test_the_decision_names_the_noise_floor_when_retokenized_equals_exact():
+    s = _summary([-0.02, 0.01], [-0.05, 0.02])
+    rt = {"variant": "retokenized", "data": {"ids_differ_from_exact": {"rows": 9, "differ": 0}},
+          "diff_to_exact": {"tau_engine": -0.011, "tau_engine_ci95": [-0.016, -0.004]}}
+    d = storage_decision({"variants": s["variants"] + [rt]})
+    assert d["noise_floor"]["diff"] == -0.011 and d["noise_floor"]["ci95"] == [-0.016, -0.004]
+    rt["data"]["ids_differ_from_exact"]["differ"] = 3  # other ids: not a control of noise
+    assert "noise_floor" not in storage_decision({"variants": s["variants"] + [rt]})

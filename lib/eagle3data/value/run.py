@@ -191,6 +191,14 @@ def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
                                    f"of exact's τ ({limit}); otherwise bf16 stays",
                            "tau_exact": round(tau, 4), "limit": limit,
                            "default": {"shards": "bf16", "speculators": "bf16", "specforge": "bf16"}}
+    rt = by.get("retokenized") or {}
+    same = ((rt.get("data") or {}).get("ids_differ_from_exact") or {}).get("differ") == 0
+    if same and rt.get("diff_to_exact", {}).get(f"tau_{kind}_ci95"):  # the same ids, states and draft made again
+        d = rt["diff_to_exact"]
+        out["noise_floor"] = {"by": "retokenized (its ids equal exact's: a second 04 and training on the same data)",
+                              "diff": d[f"tau_{kind}"], "ci95": d[f"tau_{kind}_ci95"],
+                              "note": "the intervals cover the evaluation prompts, not training's own variance: a "
+                                      "difference of this size is what recomputing the same data gives"}
     for v, (layout, storage, scale) in STORAGE_OF.items():
         d = (by.get(v) or {}).get("diff_to_exact")
         if not d or not d.get(f"tau_{kind}_ci95"):
@@ -273,7 +281,7 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
         prev = json.loads(done.read_text(encoding="utf-8"))
         if prev.get("fingerprint") == fp:
             say(f"{variant}: finished earlier, kept ({done})")
-            return prev
+            return prev | ({"data": vd.info} if vd.info else {})  # what is known of its data now
     if not vd.rows:
         raise ValueStageError(f"{vd.handoff / 'handoff.json'}: variant {variant} has no training rows")
     cfg = TrainConfig(epochs=tp.epochs, total_seq_len=tp.total_seq_len, lr=tp.lr, optimizer=tp.optimizer,
@@ -387,7 +395,8 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                                                    "steps", "seconds", "tokens_per_s", "final_loss", "lossless",
                                                    "per_dataset", "counters_check")}
                             | ({"verify_hidden": r["verify_hidden"]} if "verify_hidden" in r else {})
-                            | ({"data": {k: r["data"].get(k) for k in ("records", "api_records", "proof_levels", "mix",
+                            | ({"data": {k: r["data"].get(k) for k in ("records", "api_records", "proof_levels",
+                                                                        "ids_differ_from_exact", "mix",
                                                                         "extract", "seconds") if k in r["data"]}}
                                if r.get("data") else {})
                             | ({"diff_to_exact": diff_to_exact(vdir, r["variant"], tp_seed)}

@@ -171,7 +171,8 @@ def _states_one_early() -> Iterator[None]:
 
 
 def _fingerprint(vp: RunParams, train_keys: list[str]) -> str:
-    blob = orjson.dumps({"params": vp.model_dump(mode="json", exclude={"output_root", "run_name"}),
+    # what makes the data: the params but where it goes and 06's own section (the variants asked for, their order)
+    blob = orjson.dumps({"params": vp.model_dump(mode="json", exclude={"output_root", "run_name", "value"}),
                          "keys": sorted(train_keys)}, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -189,6 +190,8 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
         info = json.loads(built.read_text(encoding="utf-8"))
         if info.get("fingerprint") == fp:
             say(f"{variant}: data built earlier, kept ({handoff})")
+            if variant == "retokenized" and "ids_differ_from_exact" not in info:
+                info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff)
             return VariantData(handoff, _rows_of(handoff, train_keys), info)
     t0 = time.monotonic()
     (vrun / "records").mkdir(parents=True, exist_ok=True)
@@ -232,9 +235,24 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
     check_stop("05")
     say(f"{variant}: 05 writes the speculators hand-off")
     run_export(vp)
+    if variant == "retokenized":  # 0: the same ids as exact's, so its Δτ is the noise of a second 04 and training
+        info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff)
     info["seconds"] = round(time.monotonic() - t0, 1)
     write_atomic(built, json.dumps(info, indent=1).encode())
     return VariantData(handoff, _rows_of(handoff, train_keys), info)
+
+
+def ids_differ(exact: Path, other: Path) -> dict[str, int]:
+    """How many of `other`'s hand-off rows hold ids other than exact's row of the same key (rows, differ)."""
+    from datasets import load_from_disk
+
+    def rows(h: Path) -> dict[str, list[int]]:
+        keys = json.loads((h / "handoff.json").read_text(encoding="utf-8"))["keys"]
+        ds = load_from_disk(str(h))
+        return {str(k): list(ds[i]["input_ids"]) for i, k in enumerate(keys)}
+
+    a, b = rows(exact), rows(other)
+    return {"rows": len(b), "differ": sum(1 for k, ids in b.items() if a.get(k) != ids)}
 
 
 def _rows_of(handoff: Path, train_keys: list[str]) -> list[int]:
