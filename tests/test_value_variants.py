@@ -187,7 +187,7 @@ def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
                                              "significant": False, "eval_tokens_to_resolve": 40000}}]}
     s["storage_decision"] = storage_decision(s | {"variants": [dict(v, per_dataset=v["per_dataset"]) for v in s["variants"]]})
     md = summary_markdown(s)
-    assert "| shifted | **-0.310** (-0.35–-0.27)" in md and "exit 1: 7 of 9 failed" in md and "| 40,000 |" in md
+    assert "| shifted | **-0.310** (-0.350–-0.270)" in md and "exit 1: 7 of 9 failed" in md and "| 40,000 |" in md
     text = summary_lines(s)
     assert "vs exact: Δτ engine -0.31" in text and "~40,000 would resolve it" in text and "storage default" in text
     t = diff_table(s)

@@ -111,8 +111,8 @@ def loss_figure(run_dir: Path, summary: dict[str, Any]) -> Any:
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The table as docs/06 shows it (markdown): τ per variant and evaluation set, then each variant against exact."""
 
-    def ci(c: Any) -> str:
-        return f"({c[0]:.2f}–{c[1]:.2f})" if c else ""
+    def ci(c: Any, digits: int = 2) -> str:
+        return f"({c[0]:.{digits}f}–{c[1]:.{digits}f})" if c else ""
 
     out = ["| variant | evaluation set | prompts | τ engine (95%) | τ offline (95%) | per position, engine | lossless |",
            "|---|---|---|---|---|---|---|"]
@@ -131,8 +131,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             vh = v.get("verify_hidden") or {}
             ver = (f"exit {vh['exit']}: {vh.get('failed_samples')} of {vh.get('samples')} failed" if "exit" in vh
                    else "passed" if vh.get("ok") else "")
-            te = f"**{d['tau_engine']:+.3f}** {ci(d['tau_engine_ci95'])}" if d.get("tau_engine") is not None else "–"
-            to = f"{d['tau_offline']:+.3f} {ci(d['tau_offline_ci95'])}" if d.get("tau_offline") is not None else "–"
+            te = f"**{d['tau_engine']:+.3f}** {ci(d['tau_engine_ci95'], 3)}" if d.get("tau_engine") is not None else "–"
+            to = f"{d['tau_offline']:+.3f} {ci(d['tau_offline_ci95'], 3)}" if d.get("tau_offline") is not None else "–"
             res = f"{d['eval_tokens_to_resolve']:,}" if d.get("eval_tokens_to_resolve") else ""
             out.append(f"| {v['variant']} | {te} | {to} | {'yes' if d['significant'] else 'no'} | {res} | {ver} | "
                        f"{v['train_tokens']:,} |")
