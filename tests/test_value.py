@@ -176,6 +176,10 @@ def test_training_stops_on_request_and_resumes_from_its_checkpoint_to_the_same_d
     full = train_draft(ho, model_dir(p), ids, tmp_path, cfg, list(range(4)), say=lambda s: None)
     assert full.steps == res.steps and [r["loss"] for r in full.log] == pytest.approx([r["loss"] for r in res.log],
                                                                                       rel=1e-4)
+    said = []  # the same rows in another order are other batches: the finished checkpoint is not theirs
+    other = train_draft(ho, model_dir(p), ids, tmp_path, cfg, [3, 2, 1, 0], say=said.append)
+    assert any("training from the start" in x for x in said) and not any("resuming" in x for x in said)
+    assert [r["step"] for r in other.log] == list(range(1, other.steps + 1))
 
 
 def test_held_out_prompts_that_leak_into_training_are_refused(handoff, monkeypatch):

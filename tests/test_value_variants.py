@@ -171,7 +171,7 @@ def test_the_storage_rule_switches_a_layout_only_when_its_loss_is_proven_small()
 def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
     from eagle3data.audit.report import value_html
     from eagle3data.value.plots import diff_figure, diff_table, position_figure, summary_markdown
-    from eagle3data.value.run import summary_lines
+    from eagle3data.value.run import _save_figures, summary_lines
 
     f = {"prompts": 10, "tau_engine": 1.4, "tau_engine_ci95": [1.3, 1.5], "tau_offline": 1.45,
          "tau_offline_ci95": [1.35, 1.55], "per_position": [0.3, 0.08, 0.02], "per_position_engine": [0.3, 0.07, 0.02],
@@ -198,6 +198,9 @@ def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
     (tmp_path / "value" / "summary.json").write_text(json.dumps(s))
     page = value_html(tmp_path)
     assert "Each variant against exact" in page and "verify-hidden exit 1" in page and "Storage default" in page
+    _save_figures(tmp_path, s)  # what the stage writes beside summary.json: the markdown table and the curves
+    assert (tmp_path / "value" / "summary.md").read_text() == md + "\n"
+    assert (tmp_path / "value" / "tau_diff.png").stat().st_size > 0
 
 
 def test_the_decision_names_the_noise_floor_when_retokenized_equals_exact():
@@ -208,3 +211,11 @@ def test_the_decision_names_the_noise_floor_when_retokenized_equals_exact():
     assert d["noise_floor"]["diff"] == -0.011 and d["noise_floor"]["ci95"] == [-0.016, -0.004]
     rt["data"]["ids_differ_from_exact"]["differ"] = 3  # other ids: not a control of noise
     assert "noise_floor" not in storage_decision({"variants": s["variants"] + [rt]})
+
+
+def test_a_variants_rows_follow_exacts_key_order_not_its_own_storage_order(tmp_path):
+    from eagle3data.value.variants import _rows_of
+
+    (tmp_path / "handoff.json").write_text(json.dumps({"keys": ["d/c", "d/a", "d/x", "d/b"]}))
+    assert _rows_of(tmp_path, ["d/a", "d/b", "d/c"]) == [1, 3, 0]  # d/x: not a training key
+    assert _rows_of(tmp_path, ["d/b", "d/gone", "d/a"]) == [3, 1]

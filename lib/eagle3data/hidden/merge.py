@@ -2,7 +2,7 @@
 
 `extract --merge-only` and the last worker of `run_extract` call it. The verification that
 `verify-hidden` recorded in `index.json` is carried over when the merged store is provably the
-one verified (`verify.store_fingerprint`: the same index rows, files, sizes and modification
+one verified (`verify.record.store_fingerprint`: the same index rows, files, sizes and modification
 times, and the same kind of store); otherwise it is dropped, and 05 refuses until verify-hidden runs again.
 """
 
@@ -17,7 +17,7 @@ from eagle3data.core.profiles import AuxLayers
 from eagle3data.hidden.mix import Mix, hidden_dir, read_mix
 from eagle3data.hidden.store.format import INFO_FILE, HiddenError, state_names
 from eagle3data.hidden.store.index import index_rows, scan_shards, write_index
-from eagle3data.hidden.verify.run import keep_verification
+from eagle3data.hidden.verify.record import keep_verification
 
 
 class IncompleteError(HiddenError):

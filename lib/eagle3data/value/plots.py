@@ -102,7 +102,8 @@ def loss_figure(run_dir: Path, summary: dict[str, Any]) -> Any:
             ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label=v["variant"], linewidth=1)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("loss (speculators' kl_div, summed over TTT steps)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax.set_title("Training loss")
     fig.tight_layout()
     return fig

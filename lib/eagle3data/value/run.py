@@ -33,9 +33,9 @@ from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.value.engine import serve
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
-from eagle3data.value.plots import diff_figure, loss_figure, position_figure
+from eagle3data.value.plots import diff_figure, loss_figure, position_figure, summary_markdown
 from eagle3data.value.train import (TrainConfig, TrainResult, ValueStageError, ValueStopped, check_draft_layers,
-                                    layer_ids_of_store, load_draft, train_draft)
+                                    layer_ids_of_store, load_draft, train_draft, training_identity)
 from eagle3data.value.variants import VARIANTS, VariantData, variant_data
 
 HANDOFF = Path("export") / "speculators"
@@ -260,11 +260,19 @@ def _hf_greedy(model: Any, plan: ValuePlan, max_new: int) -> list[list[int]]:
     return outs
 
 
+def _train_config(params: RunParams) -> TrainConfig:
+    tp = params.value.train
+    return TrainConfig(epochs=tp.epochs, total_seq_len=tp.total_seq_len, lr=tp.lr, optimizer=tp.optimizer,
+                       ttt_steps=tp.ttt_steps, loss_fn=tp.loss_fn, num_layers=tp.num_layers, seed=tp.seed,
+                       max_steps=tp.max_steps, checkpoint_every=tp.checkpoint_every, threads=tp.threads)
+
+
 def _fingerprint(params: RunParams, plan: ValuePlan, variant: str, vd: VariantData) -> dict[str, Any]:
     return {"variant": variant, "train": params.value.train.model_dump(),
             "eval": params.value.eval.model_dump(exclude={"server", "concurrency"}),
             "rows": len(vd.rows), "data": vd.info.get("fingerprint"), "layer_ids": plan.layer_ids,
-            "eval_prompts": len(plan.evals)}
+            "eval_prompts": len(plan.evals),
+            "training": training_identity(vd.handoff, vd.rows, _train_config(params)) if vd.rows else None}
 
 
 def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
@@ -284,9 +292,7 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
             return prev | ({"data": vd.info} if vd.info else {})  # what is known of its data now
     if not vd.rows:
         raise ValueStageError(f"{vd.handoff / 'handoff.json'}: variant {variant} has no training rows")
-    cfg = TrainConfig(epochs=tp.epochs, total_seq_len=tp.total_seq_len, lr=tp.lr, optimizer=tp.optimizer,
-                      ttt_steps=tp.ttt_steps, loss_fn=tp.loss_fn, num_layers=tp.num_layers, seed=tp.seed,
-                      max_steps=tp.max_steps, checkpoint_every=tp.checkpoint_every, threads=tp.threads)
+    cfg = _train_config(params)
     rows = vd.rows
     say(f"{variant}: training on {len(rows):,} rows of {vd.handoff}")
     tr: TrainResult = train_draft(vd.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
@@ -422,9 +428,11 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
 
 
 def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
-    """The curves as PNG beside the summary, and the run's report.html re-rendered with 06's section."""
+    """The table as markdown (`summary.md`, as docs/06 shows it) and the curves as PNG beside the summary, and the
+    run's report.html re-rendered with 06's section."""
     import matplotlib.pyplot as plt
 
+    write_atomic(run_dir / "value" / "summary.md", (summary_markdown(summary) + "\n").encode())
     figs = [("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))]
     if any(v.get("diff_to_exact") for v in summary["variants"]):
         figs.append(("tau_diff.png", diff_figure(summary)))

@@ -13,7 +13,9 @@ What is speculators' and what is ours, and why:
   which fail on a CPU-only torch, and its checkpointer assumes a GPU rank. The loop here is seeded,
   prints one progress line (loss, first-step accuracy, tokens/s, ETA), keeps a checkpoint
   (`value/<variant>/checkpoint.pt`, written atomically every `checkpoint_every` steps and on Ctrl-C),
-  resumes from it step-exactly (the sampler's order is a function of seed and epoch), and writes the
+  resumes from it step-exactly (the sampler's order is a function of seed and epoch) when it was made
+  on the same data (`training_identity`: the hand-off's manifest, the rows' keys in order, the settings
+  that shape the trajectory) and starts over otherwise, and writes the
   draft with `save_pretrained` into `value/<variant>/draft/`, the folder vLLM loads as an `eagle3`
   speculator.
 
@@ -23,6 +25,7 @@ The draft's `eagle_aux_hidden_state_layer_ids` come from the store's own recorde
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -172,15 +175,30 @@ def _optimizers(draft: Any, cfg: TrainConfig, total_steps: int) -> tuple[list[An
     return opts, [get_linear_schedule_with_warmup(o, warm, total_steps) for o in opts]
 
 
+TRAJECTORY = ("epochs", "total_seq_len", "lr", "optimizer", "ttt_steps", "ttt_step_loss_decay", "loss_fn",
+              "num_layers", "seed")  # max_steps, checkpoint_every, threads: a run may stop early and go on
+
+
+def training_identity(handoff: Path, rows: Sequence[int], cfg: TrainConfig) -> str:
+    """What a checkpoint was trained on: the hand-off's manifest (05 rewrites it for other data), the keys of the
+    rows in the order given (the packing sampler's batches follow it), and the settings that shape the trajectory."""
+    manifest = (Path(handoff) / "handoff.json").read_bytes()
+    keys = json.loads(manifest).get("keys") or []
+    blob = json.dumps({"manifest": hashlib.blake2b(manifest, digest_size=16).hexdigest(),
+                       "rows": [str(keys[i]) if i < len(keys) else i for i in rows],
+                       "cfg": {k: getattr(cfg, k) for k in TRAJECTORY}}, sort_keys=True)
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
 def _save_checkpoint(path: Path, draft: Any, opts: list[Any], scheds: list[Any], step: int, tokens: int,
-                     seconds: float) -> None:
+                     seconds: float, identity: str) -> None:
     import torch
 
     trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith("verifier_")}
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save({"model": trainable, "optimizers": [o.state_dict() for o in opts],
                 "schedulers": [s.state_dict() for s in scheds], "step": step, "tokens": tokens,
-                "seconds": seconds, "rng": torch.get_rng_state()}, tmp)
+                "seconds": seconds, "rng": torch.get_rng_state(), "identity": identity}, tmp)
     os.replace(tmp, path)
 
 
@@ -210,8 +228,12 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
     loss_config = resolve_loss_config(cfg.loss_fn, "eager")
     ckpt, log_path = out_dir / CHECKPOINT, out_dir / TRAIN_LOG
     step, tokens, seconds = 0, 0, 0.0
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
+    identity = training_identity(handoff, rows, cfg)
+    state = torch.load(ckpt, map_location=device, weights_only=False) if ckpt.exists() else None
+    if state is not None and state.get("identity") != identity:
+        say(f"{ckpt} was trained on other data, rows or settings: training from the start")
+        state = None
+    if state is not None:
         draft.load_state_dict(state["model"], strict=False)
         for o, s in zip(opts, state["optimizers"]):
             o.load_state_dict(s)
@@ -263,7 +285,7 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
                     log.flush()
                     el = time.monotonic() - t0
                     if step % cfg.checkpoint_every == 0 or step == total:
-                        _save_checkpoint(ckpt, draft, opts, scheds, step, tokens, el)
+                        _save_checkpoint(ckpt, draft, opts, scheds, step, tokens, el, identity)
                     if stop is not None and step < total and stop():
                         raise KeyboardInterrupt  # the same path as Ctrl-C: checkpoint, TrainingStopped
                     if time.monotonic() - last_say > 10 or step == total:
@@ -273,7 +295,7 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
                         say(f"train {step:,}/{total:,} · loss {row['loss']:.3f} · acc0 {row['full_acc_0']} · "
                             f"{rate:,.0f} tok/s · ETA {int(left) // 60}:{int(left) % 60:02d}")
     except KeyboardInterrupt:
-        _save_checkpoint(ckpt, draft, opts, scheds, step, tokens, time.monotonic() - t0)
+        _save_checkpoint(ckpt, draft, opts, scheds, step, tokens, time.monotonic() - t0, identity)
         raise TrainingStopped(step, total, ckpt) from None
     draft_dir = out_dir / DRAFT_DIR
     draft.eval()
