@@ -195,10 +195,11 @@ def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
     same = ((rt.get("data") or {}).get("ids_differ_from_exact") or {}).get("differ") == 0
     if same and rt.get("diff_to_exact", {}).get(f"tau_{kind}_ci95"):  # the same ids, states and draft made again
         d = rt["diff_to_exact"]
-        out["noise_floor"] = {"by": "retokenized (its ids equal exact's: a second 04 and training on the same data)",
+        out["noise_floor"] = {"by": "retokenized (its ids equal exact's: the same ids through a second 04, other "
+                                    "batches, trained in the same order)",
                               "diff": d[f"tau_{kind}"], "ci95": d[f"tau_{kind}_ci95"],
-                              "note": "the intervals cover the evaluation prompts, not training's own variance: a "
-                                      "difference of this size is what recomputing the same data gives"}
+                              "note": "what recomputing the states of the same ids gives; the intervals cover the "
+                                      "evaluation prompts, not training's own variance (seed, row order)"}
     for v, (layout, storage, scale) in STORAGE_OF.items():
         d = (by.get(v) or {}).get("diff_to_exact")
         if not d or not d.get(f"tau_{kind}_ci95"):
