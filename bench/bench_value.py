@@ -39,7 +39,7 @@ def handoff():
     from eagle3data.hidden.extract import run_extract
     from eagle3data.hidden.mix import read_mix
 
-    src = ensure_records()
+    src = ensure_records()[0] / "embedded"  # (a folder holding embedded/records, where it came from)
     root = OUT / "value_run"
     p = load_params(REPO / "params" / "embedded.yaml", {"output_root": str(root), "run_name": "embedded",
                                                          "hidden.probe_batches": 0, "hidden.layout": "speculators",
