@@ -53,12 +53,14 @@ def model(ci_run):
     return model_for(ci_run)
 
 
-# the stores both hand-offs are written from: each trainer's own layout (bf16), an 8-bit store of shards (05
-# converts it for both), and speculators' layout in hs-connectors' FP8 files (linked, read through FP8Transfer)
-STORES = {"specforge": {"hidden.layout": "specforge"},
-          "speculators": {"hidden.layout": "speculators"},
-          "int8": {"hidden.storage": "int8"},
-          "fp8": {"hidden.layout": "speculators", "hidden.storage": "fp8_e4m3", "hidden.storage_scale": "token"}}
+# the stores both hand-offs are written from: each trainer's own layout in bf16, an 8-bit store of shards (05
+# converts it for both), and speculators' layout in hs-connectors' FP8 files (linked, read through FP8Transfer).
+# `int8` and `fp8` are the params' defaults of their layouts (`storage` not given: DEFAULT_STORAGE), so the peers
+# are proven on what a run stores by default; the bf16 stores name their storage.
+STORES = {"specforge": {"hidden.layout": "specforge"},   # SpecForge reads bf16 only: its layout's default
+          "speculators": {"hidden.layout": "speculators", "hidden.storage": "bf16"},
+          "int8": {},                                    # the default of layout shards: int8/channel_rms
+          "fp8": {"hidden.layout": "speculators"}}       # the default of layout speculators: fp8_e4m3/token
 
 
 # the final state's top-1 agreement through the trainer's own head: bf16 keeps >= 97% (docs/04 measures 99.9% on

@@ -50,11 +50,12 @@ def run_copy(ci_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def single(ci_run, model, tmp_path_factory):
-    """One worker's finished extraction of the ci run (small shards: several per run). Do not change it."""
+    """One worker's finished extraction of the ci run (small shards: several per run), in bf16 (the states as
+    captured: the reference the 8-bit stores are compared with). Do not change it."""
     root = tmp_path_factory.mktemp("single")
     shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
     p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
-                                                   "hidden.shard_bytes": 1_500_000})
+                                                   "hidden.shard_bytes": 1_500_000, "hidden.storage": "bf16"})
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)
         mp.delenv("WORLD_SIZE", raising=False)
@@ -104,7 +105,7 @@ def test_stored_states_match_a_plain_full_forward(single, model):
 
 def test_a_sequence_alone_matches_the_full_forward_bit_for_bit(run_copy, model, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    p = run_copy(**{"hidden.batch_tokens": 1, "hidden.datasets": ["b5_openthoughts"]})
+    p = run_copy(**{"hidden.batch_tokens": 1, "hidden.datasets": ["b5_openthoughts"], "hidden.storage": "bf16"})
     res = run_extract(p, progress=False, model=model)
     assert res.stats["batches"] == 2 and res.stats["pad_fraction"] == 0.0
     for smp in HiddenReader(res.hidden_dir):
@@ -144,7 +145,7 @@ def test_index_reads_back_every_sample_bit_exactly(single):
 
 # the existing resume and ranks tests, run on each storage (issue 27): the 8-bit paths go through the
 # same writer, index and reader, with their scales (and per-shard channel statistics) beside the values
-STORAGES = {"bf16": {}, "int8": {"hidden.storage": "int8"},
+STORAGES = {"bf16": {"hidden.storage": "bf16"}, "int8": {"hidden.storage": "int8"},
             "fp8_e4m3": {"hidden.storage": "fp8_e4m3", "hidden.storage_scale": "token"}}
 # worst relative error (per sample, all states) of a storage against the bf16 store of the same samples
 STORAGE_REL = {"bf16": 0.0, "int8": 0.02, "fp8_e4m3": 0.06}
@@ -243,10 +244,13 @@ def test_refuses_to_start_when_the_disk_lacks_room(run_copy, model, monkeypatch)
 
 def test_estimate_is_tokens_times_four_states_plus_ids_and_mask(run_copy, model, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    p = run_copy(**{"hidden.probe_batches": 1})
+    p = run_copy(**{"hidden.probe_batches": 1, "hidden.storage": "bf16"})
     est = H.estimate(p, model=model)
     tokens = sum(len(s.input_ids) for s in read_mix(hidden_dir(p)).samples)
     assert est.tokens == tokens and est.bytes == tokens * (5 * 576 * 2 + 5)
+    # the default storage (int8/channel_rms on shards): its values and scales, plus ids and mask
+    q = run_copy(**{"hidden.probe_batches": 1})
+    assert q.hidden.storage == "int8" and H.estimate(q, model=model).bytes == tokens * (5 * 576 + 5 * 4 + 5)
     assert est.tokens_per_s and est.seconds and est.fits
     assert "estimated size (GB)" in est.table().index
 

@@ -113,7 +113,7 @@ def model(ci_run):
 
 @pytest.fixture(scope="module")
 def bf16_store(ci_run, model, tmp_path_factory):
-    return _extract(ci_run, tmp_path_factory.mktemp("bf16"), model)
+    return _extract(ci_run, tmp_path_factory.mktemp("bf16"), model, **{"hidden.storage": "bf16"})
 
 
 @pytest.mark.parametrize("storage,scale,final", [("int8", "channel_rms", "same"), ("fp8_e4m3", "token", "same"),
@@ -159,6 +159,30 @@ def test_a_trainer_layout_holds_only_what_its_trainer_reads_natively():
     ok = load_params(base, {"hidden.layout": "speculators", "hidden.storage": "fp8_e4m3",
                             "hidden.storage_scale": "token", "hidden.final_state": "pre_norm"})
     assert ok.hidden.codec().aux == Storage("fp8_e4m3", "token")
+
+
+def test_the_default_storage_is_each_layouts_measured_choice():
+    """`hidden.storage` not given: the layout's default (DEFAULT_STORAGE), which must be what 06's written rule decides
+    from the committed ablation (docs/results/, recomputed here by `storage_decision`); given, it is kept."""
+    import json
+
+    from eagle3data.core.params.hidden import DEFAULT_STORAGE
+    from eagle3data.value.run import storage_decision
+
+    base = REPO / "params" / "ci.yaml"
+    got = {layout: load_params(base, {"hidden.layout": layout}).hidden for layout in ("shards", "speculators", "specforge")}
+    assert {k: (h.storage, h.storage_scale) for k, h in got.items()} == \
+        {"shards": ("int8", "channel_rms"), "speculators": ("fp8_e4m3", "token"), "specforge": ("bf16", "channel_rms")}
+    assert got["speculators"].codec().aux == Storage("fp8_e4m3", "token")  # speculators' own FP8 files
+    assert load_params(base).hidden.storage == "int8"  # ci.yaml names no storage: the tests run on the default
+    assert load_params(base, {"hidden.storage": "bf16", "hidden.layout": "speculators"}).hidden.storage == "bf16"
+    assert load_params(base, {"hidden.storage_scale": "token_state"}).hidden.codec().aux == Storage("int8", "token_state")
+    # 06's reference keeps the states as captured (its 8-bit variants are measured against it)
+    assert load_params(REPO / "params" / "value.yaml").hidden.storage == "bf16"
+    committed = sorted((REPO / "docs" / "results").glob("06_value_*.summary.json"))[-1]
+    d = storage_decision(json.loads(committed.read_text(encoding="utf-8")))
+    assert d["params_follow"], (committed.name, d["default"], d["params_default"])
+    assert d["default"] == {k: v[0] for k, v in DEFAULT_STORAGE.items()}
 
 
 def test_int8_with_one_scale_per_token_over_several_states_is_refused():

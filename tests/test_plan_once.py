@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BYTES_PER_TOKEN = 5 * 576 * 2 + 4 + 1  # ci: SmolLM2, final_state both, bf16
+BYTES_PER_TOKEN = 5 * 576 + 5 * 4 + 4 + 1  # ci: SmolLM2, final_state both, int8/channel_rms (the default) + ids, mask
 
 
 def _lengths(run_dir: Path) -> dict[str, int]:

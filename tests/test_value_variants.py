@@ -43,8 +43,8 @@ def base(ci_run, tmp_path_factory):
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         datasets.append({"name": name, "path": str(path), "format": "prompts"})
     p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
-                                                  "hidden.layout": "speculators", "export.draft_vocab_size": 64,
-                                                  "export.formats": ["speculators"]})
+                                                  "hidden.layout": "speculators", "hidden.storage": "bf16",
+                                                  "export.draft_vocab_size": 64, "export.formats": ["speculators"]})
     p = p.model_copy(update={"datasets": [type(p.datasets[0]).model_validate(d) for d in datasets]})
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)

@@ -36,7 +36,9 @@ TWIN = ("b4_mixturethoughts", 4001, 4003)  # 4001 cut to 4003's length (same len
 
 
 def _make_run(root: Path, **over) -> object:
-    """The nbval fixture records plus the same-length twin, with 04's params (no auto-verify)."""
+    """The nbval fixture records plus the same-length twin, with 04's params (no auto-verify), stored in bf16 unless
+    `over` names a storage: the mutations below write into the stored values, which only bf16 holds as they are
+    (an 8-bit store's scales and channel statistics would turn a planted swap into another change)."""
     rec = root / "nbval" / "records"
     shutil.copytree(FIXTURE / "records", rec)
     path = rec / f"{TWIN[0]}.jsonl"
@@ -46,7 +48,8 @@ def _make_run(root: Path, **over) -> object:
     cut = len(b["prompt_ids"]) + len(b["output_ids"]) - len(a["prompt_ids"])
     twin = {**a, "sample_id": 4009, "output_ids": a["output_ids"][:cut], "finish_reason": "length"}
     path.write_text(path.read_text() + json.dumps(twin) + "\n")
-    base = {"output_root": str(root), "hidden.probe_batches": 0, "hidden.verify_after": False}
+    base = {"output_root": str(root), "hidden.probe_batches": 0, "hidden.verify_after": False,
+            "hidden.storage": "bf16"}
     return load_params(REPO / "tests" / "fixtures" / "nbval.yaml", {**base, **over})
 
 
@@ -76,7 +79,8 @@ def _copy(p, tmp_path):
     dst = tmp_path / "run"
     shutil.copytree(p.run_dir, dst / p.run_name)
     return load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
-                       {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.verify_after": False})
+                       {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.verify_after": False,
+                        "hidden.storage": "bf16"})
 
 
 class _Memo:
@@ -428,7 +432,7 @@ def test_export_refuses_an_unverified_or_failing_store_unless_allowed(clean, tmp
     with pytest.raises(ExportError, match="FAILED"):
         export_format(p, tmp_path / "out", "speculators")
     allowed = load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
-                          {"output_root": str(p.output_root), "export.allow_unverified": True})
+                          {"output_root": str(p.output_root), "export.allow_unverified": True, "hidden.storage": "bf16"})
     m = export_format(allowed, tmp_path / "out", "speculators")
     assert "exported anyway (export.allow_unverified)" in m["selection"]["hidden_verification"]
 
@@ -722,7 +726,8 @@ def test_the_bench_verifies_a_linked_copy_and_leaves_the_run_as_it_was(clean, tm
     dst = bench.linked_copy(p.run_dir, tmp_path / "bench" / p.run_name)
     assert (dst / "hidden" / "index.json").stat().st_ino == (hdir / "index.json").stat().st_ino  # links, not copies
     q = load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
-                    {"output_root": str(tmp_path / "bench"), "hidden.probe_batches": 0, "hidden.verify_after": False})
+                    {"output_root": str(tmp_path / "bench"), "hidden.probe_batches": 0, "hidden.verify_after": False,
+                     "hidden.storage": "bf16"})
     res = _verify(q)
     assert res.ok and res.lines_path.parent == dst / "hidden"
     assert {f.name: f.read_bytes() for f in hdir.iterdir() if f.is_file()} == before
@@ -748,7 +753,8 @@ def _copy_sharded(p, tmp_path):
     dst = tmp_path / "run"
     shutil.copytree(p.run_dir, dst / p.run_name)
     return load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
-                       {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.shard_bytes": 1})
+                       {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.shard_bytes": 1,
+                        "hidden.storage": "bf16"})
 
 
 def test_04_records_a_content_checksum_per_file(sharded, tmp_path):
@@ -765,7 +771,7 @@ def test_04_records_a_content_checksum_per_file(sharded, tmp_path):
     (journal,) = (hdir / JOURNAL_DIR).iterdir()
     journal.write_bytes(b"".join(journal.read_bytes().splitlines(keepends=True)[1:]))
     assert cli_main(["extract", str(REPO / "tests" / "fixtures" / "nbval.yaml"), "--merge-only",
-                     "-p", "output_root", str(p.output_root)]) == 0
+                     "-p", "output_root", str(p.output_root), "-p", "hidden.storage", "bf16"]) == 0
     assert HiddenReader(hdir).checksums() == sums
 
 

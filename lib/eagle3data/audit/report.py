@@ -122,7 +122,11 @@ def value_html(run_dir: Path) -> str:
     sd = s.get("storage_decision")
     if sd:
         ablation += (f"<p><b>Storage default</b> by layout: {html.escape(', '.join(f'{k} {v}' for k, v in sd['default'].items()))}"
-                     f". Rule: {html.escape(sd['rule'])}.</p>")
+                     f". Rule: {html.escape(sd['rule'])}."
+                     + (f" 04's default when <code>hidden.storage</code> is not given: "
+                        f"{html.escape(', '.join(f'{k} {v}' for k, v in sd['params_default'].items()))}"
+                        + ("" if sd.get("params_follow") else " (differs from this table's decision)")
+                        if "params_default" in sd else "") + "</p>")
     return (f"<h2>06 · What the data is worth</h2><p>A draft trained on this run's hand-off; acceptance length τ "
             f"(tokens per verification step, the bonus token included) with k = {k} drafts, greedy, 95% intervals "
             "over prompts. Engine: vLLM's speculative decoding (lossless: its ids equal plain greedy ids). Offline: "

@@ -24,6 +24,7 @@ from eagle3data.audit.report import render_report
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
+from eagle3data.core.params.hidden import default_storage
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.progress import Progress
 from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
@@ -210,6 +211,9 @@ def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
                   "ci95": d[f"tau_{kind}_ci95"], "free": free}
         if free:
             out["default"][layout] = storage
+    # what 04 stores today when `hidden.storage` is not given (params DEFAULT_STORAGE): does it follow this table?
+    out["params_default"] = {layout: default_storage(layout)[0] for layout in out["default"]}
+    out["params_follow"] = out["params_default"] == out["default"]
     return out
 
 
@@ -483,4 +487,7 @@ def summary_lines(summary: dict[str, Any]) -> str:
     sd = summary.get("storage_decision")
     if sd:
         lines.append(f"storage default: {sd['default']} (rule: {sd['rule']})")
+        if "params_default" in sd:
+            lines.append(f"params default (hidden.storage not given): {sd['params_default']}"
+                         + ("" if sd["params_follow"] else " — differs from the measured decision"))
     return "\n".join(lines)

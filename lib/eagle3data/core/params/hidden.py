@@ -24,6 +24,22 @@ Z_OUT_FLOOR = 64
 Z_PROMPT_FLOOR = 64
 MIN_POSITIONS = max(Z_OUT_FLOOR, Z_PROMPT_FLOOR)
 
+# The storage 04 uses when `hidden.storage` is not given, per layout: 06's written rule applied to its measured
+# ablation (docs/04 "When to choose", docs/06 "Figures": int8/channel_rms +0.0001 τ, -0.0005 to +0.0006, and
+# fp8_e4m3/token +0.0006, -0.0002 to +0.0014, against a limit of -0.0124; `storage_decision` in 06's summary).
+# A trainer layout holds only what its trainer reads natively: speculators' FP8 files (one scale per token),
+# SpecForge's bf16. Other layouts (a trainer registered later) keep bf16 until 06 measures them.
+DEFAULT_STORAGE: dict[str, tuple[str, str]] = {
+    "shards": ("int8", "channel_rms"),
+    "speculators": ("fp8_e4m3", "token"),
+    "specforge": ("bf16", "channel_rms"),
+}
+
+
+def default_storage(layout: str) -> tuple[str, str]:
+    """(storage, storage_scale) 04 uses for `layout` when the params name neither."""
+    return DEFAULT_STORAGE.get(layout, ("bf16", "channel_rms"))
+
 
 def positions_problem(cap: int) -> str | None:
     """Why `cap` cannot be the most head positions per sample, or None: 0 (every position) or at least MIN_POSITIONS."""
@@ -140,20 +156,38 @@ class HiddenParams(Strict):
     )
 
     storage: Literal["bf16", "fp8_e4m3", "int8"] = Field(
-        "bf16",
+        "int8",
         description="How the states are stored: `bf16` = as captured in `dtype` (no quantization), or 8 bits per "
-                    "value with fp32 scales beside them (`storage_scale`); the reader dequantizes. docs/04 gives each "
-                    "choice's measured error on the target's own predictions.",
+                    "value with fp32 scales beside them (`storage_scale`); the reader dequantizes. Not given: the "
+                    "layout's default, chosen by 06's measured acceptance length (int8 for shards, fp8_e4m3 for "
+                    "speculators, bf16 for specforge; docs/04 When to choose). docs/04 gives each choice's measured "
+                    "error on the target's own predictions.",
     )
     storage_scale: Literal["token", "token_state", "channel_token", "channel_rms"] = Field(
         "channel_rms",
         description="8-bit scales: one per token over all states (hs-connectors' FP8 files), one per token and state, "
                     "or each state's channels divided by their absmax (`channel_token`) or RMS (`channel_rms`, the "
-                    "measured best: docs/04) over the shard, then one per token and state.",
+                    "measured best: docs/04) over the shard, then one per token and state. Not given: `token` "
+                    "for layout speculators (its FP8 files), otherwise channel_rms.",
     )
     final_storage: Literal["same", "bf16", "fp8_e4m3", "int8"] = Field(
         "same", description="The final state(s)' own storage (same = `storage`), e.g. bf16 final with 8-bit aux layers."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_default_storage(cls, data: object) -> object:
+        """`storage` / `storage_scale` not given: the layout's measured default (DEFAULT_STORAGE)."""
+        if not isinstance(data, dict) or ("storage" in data and "storage_scale" in data):
+            return data
+        layout = data.get("layout", "shards")
+        storage, scale = default_storage(layout if isinstance(layout, str) else "shards")
+        data = dict(data)
+        data.setdefault("storage", storage)
+        if "storage_scale" not in data:  # speculators reads fp8 with one scale per token; 8-bit otherwise: channel_rms
+            data["storage_scale"] = "token" if layout == "speculators" and data["storage"] == "fp8_e4m3" \
+                else "channel_rms"
+        return data
 
     @model_validator(mode="after")
     def _backend_settings_present(self) -> "HiddenParams":
