@@ -60,11 +60,12 @@ def test_run_writes_hidden_states_for_every_record(tiny_run):
     n_tokens = 0
     for s in shards:
         with safe_open(str(s), "pt") as f:
-            for k in f.keys():
-                t = f.get_slice(k)
-                shape = t.get_shape()
-                if len(shape) == 3:  # 3 aux layers + pre-norm + post-norm (hidden.final_state: both)
-                    assert shape[1:] == [5, 576]
-                    n_tokens += shape[0]
+            # 3 aux layers + pre-norm + post-norm (hidden.final_state: both), in the default storage of layout
+            # shards (int8/channel_rms: one fp32 scale per token and state, the shard's channel statistics)
+            values, scales = f.get_slice("hidden_states"), f.get_slice("hidden_states_scales")
+            assert values.get_shape()[1:] == [5, 576] and values.get_dtype() == "I8"
+            assert scales.get_shape() == values.get_shape()[:2] + [1] and scales.get_dtype() == "F32"
+            assert f.get_slice("hidden_states_channels").get_shape() == [5, 576]
+            n_tokens += values.get_shape()[0]
     recs = [json.loads(line) for f in (run_dir / "records").glob("*.jsonl") for line in f.open()]
     assert n_tokens == sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in recs)

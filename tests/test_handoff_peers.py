@@ -236,7 +236,11 @@ def test_the_estimate_states_each_hand_off_before_04_runs(ci_run, tmp_path):
         p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "hidden.layout": layout})
         est = H.estimate(p)
         extra = est.handoff()
-        assert est.bytes_per_token == 5 * 576 * 2 + id_mask_bytes(layout)
+        # each layout's default storage: int8 shards (a byte per value, an fp32 scale per token and state),
+        # speculators' FP8 files (a byte per value; one fp32 scale per token for the aux states and one for the
+        # verifier's last state, each its own tensor in hs-connectors' files), SpecForge's bf16
+        assert est.bytes_per_token == {"shards": 5 * 576 + 5 * 4, "speculators": 5 * 576 + 2 * 4,
+                                       "specforge": 5 * 576 * 2}[layout] + id_mask_bytes(layout)
         for fmt in HO.FORMATS:
             want = 0 if fmt == link else est.tokens * bytes_per_token(576, "bfloat16", 4, fmt)
             assert extra[fmt] == want, (layout, fmt)
@@ -290,7 +294,7 @@ def test_04_records_its_final_state_and_refuses_a_store_of_another_kind(stores, 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     shutil.copytree(ci_run.run_dir / "records", tmp_path / "ci" / "records")
     over = {"output_root": str(tmp_path), "hidden.probe_batches": 0}
-    p = load_params(REPO / "params" / "ci.yaml", {**over, "hidden.final_state": "pre_norm"})
+    p = load_params(REPO / "params" / "ci.yaml", {**over, "hidden.final_state": "pre_norm", "hidden.storage": "bf16"})
     res = run_extract(p, progress=False, model=model)
     rd = HiddenReader(res.hidden_dir)
     assert rd.states == AUX_NAMES + ("pre_norm",) and rd.info["final_state"] == "pre_norm"

@@ -73,7 +73,8 @@ def vllm_params(ci_run, tmp_path):
     def make(srv: LoopbackServer, **over):
         base = {"output_root": str(tmp_path), "hidden.probe_batches": 0, "hidden.backend": "vllm",
                 "hidden.vllm": {"base_url": srv.base_url, "concurrency": 4, "lock_timeout_s": 0.5,
-                                "max_retries": 0, "timeout_s": 5}, "generate.stop_grace_s": 5}
+                                "max_retries": 0, "timeout_s": 5}, "generate.stop_grace_s": 5,
+                "hidden.storage": "bf16"}  # the engine's files are compared with the store value for value
         return load_params(REPO / "params" / "ci.yaml", {**base, **over})
 
     return make

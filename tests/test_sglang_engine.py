@@ -177,7 +177,8 @@ def both_stores(ci_run, tmp_path_factory):
         root = tmp_path_factory.mktemp(f"store_{backend}")
         shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
         over = {"output_root": str(root), "hidden.probe_batches": 0, "hidden.backend": backend,
-                "hidden.final_state": "post_norm", "export.draft_vocab_size": 64}
+                "hidden.final_state": "post_norm", "hidden.storage": "bf16",  # the engine's states as captured
+                "export.draft_vocab_size": 64}
         if backend == "sglang":
             over["hidden.sglang"] = {"launch": True, "concurrency": 4, "server": {"port": 0}}
         p = load_params(CI, over)

@@ -109,7 +109,7 @@ def both_stores(ci_run, hidden_server, tmp_path_factory):
         root = tmp_path_factory.mktemp(f"store_{backend}")
         shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
         over = {"output_root": str(root), "hidden.probe_batches": 0, "hidden.backend": backend,
-                "export.draft_vocab_size": 64}
+                "hidden.storage": "bf16", "export.draft_vocab_size": 64}  # the engine's states as captured
         if backend == "vllm":
             over["hidden.vllm"] = {"base_url": srv.base_url, "concurrency": 4}
         p = load_params(CI, over)
@@ -222,7 +222,8 @@ def cli_04(root: Path) -> subprocess.Popen:
     hidden.vllm.launch true`, here on the ci params, one request in flight."""
     over = {"output_root": str(root), "hidden.backend": "vllm", "hidden.vllm.launch": "true",
             "hidden.vllm.concurrency": "1", "hidden.vllm.server.port": "0", "hidden.probe_batches": "0",
-            "hidden.verify_after": "false", "hidden.shard_bytes": "262144"}
+            "hidden.verify_after": "false", "hidden.shard_bytes": "262144",
+            "hidden.storage": "bf16"}  # compared with one uninterrupted store: 8-bit scales follow each shard's samples
     args = [a for k, v in over.items() for a in ("-p", k, v)]
     return subprocess.Popen([sys.executable, "-m", "eagle3data", "run", str(CI), "--only", "04", *args], cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
@@ -272,7 +273,7 @@ def test_ctrl_c_then_a_killed_run_then_resume_through_the_cli(ci_run, hidden_ser
     whole = tmp_path / "whole"
     many_records(ci_run, whole)
     p_whole = load_params(CI, {"output_root": str(whole), "hidden.probe_batches": 0, "hidden.backend": "vllm",
-                               "hidden.verify_after": False,
+                               "hidden.verify_after": False, "hidden.storage": "bf16",
                                "hidden.vllm": {"base_url": hidden_server.get().base_url, "concurrency": 4}})
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WORLD_SIZE", raising=False)
