@@ -67,6 +67,29 @@ def test_the_error_bound_holds_for_every_value_and_is_tight(st):
         assert bool((err <= from_decoded).all()) and float((from_decoded / bound).max()) < 1.05
 
 
+@pytest.mark.parametrize("st", ALL[1:], ids=lambda s: s.name)
+def test_the_bound_norms_cover_the_error_bounds_rows(st):
+    """`StateCodec.bound_norms` (what widens verify's duplicate-layer candidates in an 8-bit store), from the scales
+    and channels alone: at least each row's 2-norm of `error_bound`, and within 1% of it for int8 (the same half step
+    per element); from decoded values too where the scheme needs no channels. Mixed groups: the bf16 final rows 0."""
+    x = _states()
+    for codec in (StateCodec(5, st, st, "float32"), StateCodec(5, st, Storage("bf16"), "float32")):
+        t = codec.encode(x)
+        part = {k: (v[10:30] if k in codec.token_tensors() else v) for k, v in t.items()}
+        y = codec.decode(part, torch.float32)
+        want = torch.linalg.vector_norm(codec.error_bound(part), dim=-1)
+        got = codec.bound_norms(part, torch.linalg.vector_norm(y, dim=-1))
+        assert got.shape == want.shape == y.shape[:2] and bool((got >= want * (1 - 1e-5)).all())
+        if st.format == "int8":
+            assert float((got / want.clamp(min=1e-30))[want > 0].max()) < 1.01
+        if codec.final == Storage("bf16"):
+            assert float(got[:, 3:].abs().max()) == 0.0
+        if not st.needs_channels:  # a trainer's file read back: every state in one decoded tensor
+            dec = codec.bound_norms({"hidden_states": y}, torch.linalg.vector_norm(y, dim=-1))
+            assert bool((dec >= torch.linalg.vector_norm(codec.error_bound({"hidden_states": y}), dim=-1)
+                         * (1 - 1e-5)).all())
+
+
 def test_channel_smoothing_is_what_rescues_int8_from_an_outlier_channel():
     x = _states()
     err = {}

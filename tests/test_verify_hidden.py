@@ -19,6 +19,7 @@ import torch
 
 from eagle3data.cli import main as cli_main
 from eagle3data.core.params import load_params
+from eagle3data.core.params.hidden import default_storage
 from eagle3data.export.run import ExportError, export_format
 from eagle3data.hidden.capture import load_config
 from eagle3data.hidden.extract import run_extract
@@ -74,13 +75,13 @@ def clean(tmp_path_factory):
     return p
 
 
-def _copy(p, tmp_path):
+def _copy(p, tmp_path, storage="bf16"):
     """A private copy of the run (records, provenance, store) for one mutation."""
     dst = tmp_path / "run"
     shutil.copytree(p.run_dir, dst / p.run_name)
     return load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
                        {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.verify_after": False,
-                        "hidden.storage": "bf16"})
+                        "hidden.storage": storage})
 
 
 class _Memo:
@@ -114,11 +115,10 @@ def _failed(res) -> dict[str, list[str]]:
     return {r["key"]: r["failed"] for r in res.rows if r["failed"]}
 
 
-def _mutate(p, change) -> None:
-    """Apply `change(hs, rows, mask)` to the store's states on disk: `hs` is every shard's states end to end,
-    `rows` each key's (start, length) in it."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+def _store_states(p):
+    """The store's files by shard, its states end to end `hs`, its loss masks, each key's (start, length) in `hs`
+    and each shard's first row in it (bf16 stores: the values as stored)."""
+    from safetensors.torch import load_file
 
     rd = HiddenReader(hidden_dir(p))
     shards = sorted(set(rd.index["shard"]))
@@ -131,14 +131,50 @@ def _mutate(p, change) -> None:
     mask = torch.cat([files[s]["loss_mask"] for s in shards])
     rows = {k: (base[rd.index.iloc[i]["shard"]] + int(rd.index.iloc[i]["offset"]), int(rd.index.iloc[i]["length"]))
             for i, k in enumerate(rd.keys())}
+    return files, hs, mask, rows, base
+
+
+def _mutate(p, change) -> None:
+    """Apply `change(hs, rows, mask)` to the store's states on disk: `hs` is every shard's states end to end,
+    `rows` each key's (start, length) in it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    files, hs, mask, rows, base = _store_states(p)
     change(hs, rows, mask)
-    for s in shards:
+    for s in files:
         with safe_open(str(hidden_dir(p) / s), framework="pt") as f:
             meta = f.metadata()
         n = files[s]["hidden_states"].shape[0]
         files[s]["hidden_states"] = hs[base[s]:base[s] + n].clone()
         save_file(files[s], str(hidden_dir(p) / s), metadata=meta)
-    as_written(hidden_dir(p), *shards)  # the fault as an engine writes it: its checksum is the file's
+    as_written(hidden_dir(p), *files)  # the fault as an engine writes it: its checksum is the file's
+
+
+def _mutate_before_storing(p, src, change) -> None:
+    """The fault as an engine makes it in an 8-bit store: `change` applied to the states as captured (the clean bf16
+    store `src` of the same run), then each of `p`'s shards encoded from them by its own codec, as 04's writer
+    encodes a shard at its flush (the faulty block's own scales and channel statistics)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    _, hs, mask, rows, _ = _store_states(src)
+    change(hs, rows, mask)
+    rd = HiddenReader(hidden_dir(p))
+    assert rd.codec.quantized
+    for shard in sorted(set(rd.index["shard"])):
+        part = sorted((int(rd.index.iloc[i]["offset"]), k) for i, k in enumerate(rd.keys())
+                      if rd.index.iloc[i]["shard"] == shard)
+        block = torch.cat([hs[rows[k][0]:rows[k][0] + rows[k][1]] for _, k in part])
+        path = hidden_dir(p) / shard
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        t = load_file(str(path))
+        assert [o for o, _ in part] == [sum(rows[k][1] for _, k in part[:i]) for i in range(len(part))]
+        assert block.shape[0] == t["input_ids"].shape[0]
+        t.update(rd.codec.encode(block))
+        save_file(t, str(path), metadata=meta)
+        as_written(hidden_dir(p), path)
 
 
 def _prompt_len(mask, a, n):
@@ -297,6 +333,46 @@ def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
         assert set(failed[k]) - {"recompute"}, failed  # ... without the recompute
         assert "recompute" in failed[k], failed  # and by the recompute
     assert not res.ok
+
+
+@pytest.fixture(scope="module")
+def clean8(tmp_path_factory):
+    """04's clean store of the same run in the shards layout's default storage (int8/channel_rms since the ablation:
+    `default_storage`), not verified yet. Do not change it."""
+    fmt, scale = default_storage("shards")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RANK", raising=False)
+        mp.delenv("WORLD_SIZE", raising=False)
+        p = _make_run(tmp_path_factory.mktemp("verify8"), **{"hidden.storage": fmt, "hidden.storage_scale": scale})
+        res = run_extract(p, progress=False, model=_model(p))
+    assert res.merged and res.validation.ok and HiddenReader(hidden_dir(p)).codec.quantized
+    return p
+
+
+def _unchanged(hs, rows, mask):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["unchanged", *MUTATIONS])
+def test_each_mutation_in_the_default_8bit_store_flags_its_sample_and_no_other(clean, clean8, tmp_path, kind):
+    """The same faults in the store 04 writes by default (int8/channel_rms), made where an engine makes them: in the
+    states as captured, before 04's codec quantizes the shard (its scales and channel statistics then describe the
+    faulty block). Each is caught in its sample alone by the same cheap check as in bf16 and by the recompute within
+    the stored step; the clean states encoded the same way pass every check (the control)."""
+    global _HEAD
+    if _HEAD is None:
+        _HEAD = load_head(resolve_model_path(clean.model.path), load_config(clean))
+    change, keys, check = MUTATIONS[kind] if kind != "unchanged" else (_unchanged, set(), None)
+    p = _copy(clean8, tmp_path, storage=default_storage("shards")[0])
+    _mutate_before_storing(p, clean, change)
+    res = _verify(p, recompute="all")
+    failed = _failed(res)
+    assert set(failed) == keys, failed
+    for k in keys:
+        assert check in failed[k], failed
+        assert set(failed[k]) - {"recompute"}, failed
+        assert "recompute" in failed[k], failed
+    assert res.ok is (kind == "unchanged") and res.summary["recomputed"] == 8
 
 
 def test_a_store_whose_final_states_are_all_wrong_fails_the_pooled_head(clean, tmp_path):

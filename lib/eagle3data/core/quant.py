@@ -260,6 +260,8 @@ class StateCodec:
         parts = []
         for name, a, b, st in self.groups:
             values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
+            if values.shape[1] != b - a:  # decoded: every group's states in one `hidden_states`
+                values = values[:, a:b]
             if not st.quantized:
                 parts.append(torch.zeros(values.shape, dtype=torch.float32))
                 continue
@@ -277,6 +279,35 @@ class StateCodec:
                 y = x / step.clamp(min=1e-30)
             half = 0.5 if st.format == "int8" else 2.0 ** -4 * y + 2.0 ** -10
             parts.append((half * step).expand(values.shape))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def bound_norms(self, tensors: dict[str, Any], norms: Any) -> Any:
+        """Each row's 2-norm of `error_bound` [tokens, S], at least: from the stored scales and channels alone (O(tokens
+        x S) where `error_bound` is O(tokens x S x hidden)), or from decoded FP8 values as `error_bound` reads them;
+        `norms` the decoded rows' 2-norms [tokens, S] (fp8's bound is relative to the value: ||2^-4 y|| = 2^-4 ||y||)."""
+        torch = _torch()
+        parts = []
+        for name, a, b, st in self.groups:
+            if not st.quantized:
+                parts.append(torch.zeros(norms.shape[0], b - a))
+                continue
+            values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
+            if values.shape[1] != b - a:  # decoded: every group's states in one `hidden_states`
+                values = values[:, a:b]
+            hidden = values.shape[-1]
+            if values.dtype in (torch.int8, torch.float8_e4m3fn):  # as stored: a row's step is scale x channels
+                scale = tensors[name + "_scales"].float()[..., 0]  # [tokens, 1 or S]
+                per = (tensors[name + "_channels"].float().norm(dim=-1) if st.needs_channels
+                       else torch.full((b - a,), hidden ** 0.5))
+            elif st.needs_channels:
+                raise StorageError(f"storage {st.name}: its error bound needs the stored scales and channels")
+            else:
+                top = INT8_MAX if st.format == "int8" else FP8_MAX
+                scale = values.float().abs().amax(dim=(1, 2) if st.scale == "token" else (2,), keepdim=True)[..., 0]
+                scale = scale * (1.01 / top)
+                per = torch.full((b - a,), hidden ** 0.5)
+            step = (scale * per).expand(norms.shape[0], b - a)  # ||scale x channels|| per row
+            parts.append(0.5 * step if st.format == "int8" else 2.0 ** -4 * norms[:, a:b].float() + 2.0 ** -10 * step)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def as_dict(self) -> dict[str, Any]:

@@ -174,11 +174,13 @@ class HiddenReader:
             problems.setdefault(file, {})["checksum"] = why
 
     def chunks(self, max_bytes: int = 0, *, problems: dict[str, dict[str, str]] | None = None,
-               checksums: bool = False) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any]]]:
+               checksums: bool = False, stored: bool = False) -> Iterator[tuple[list[dict[str, Any]], dict[str, Any]]]:
         """The store in runs of consecutive samples, shard by shard (each shard read once): (their index rows, each
         with `at`, its first token in the run; the run's `hidden_states` [tokens, S, hidden], `input_ids`,
         `loss_mask`). A run holds whole samples up to `max_bytes` stored (one sample at least; 0: the whole shard),
         so a consumer can reduce many samples' states in one call; per-sample layouts give a sample per run.
+        `stored`: the run also has `stored`, its tensors as the shard stores them (8-bit values, scales, channels:
+        `StateCodec.error_bound`); a per-sample file's are its decoded ones.
 
         `checksums`: each file's content is hashed first (then read from the page cache) and compared with the index.
         A file that does not open (or, with `checksums`, does not match) raises a HiddenError naming it; with
@@ -199,7 +201,7 @@ class HiddenReader:
                         raise
                     problems[row["shard"]] = {"readable": str(e)}  # cut short: its checksum says no more
                     continue
-                yield [{**row, "at": 0}], got
+                yield [{**row, "at": 0}], {**got, "stored": got} if stored else got
             return
         per_token = max(self.codec.bytes_per_token(int(self.info["hidden_size"])), 1)
         by_shard: dict[str, list[dict[str, Any]]] = {}
@@ -223,7 +225,9 @@ class HiddenReader:
                             or (max_bytes and (row["offset"] + row["length"] - run[0]["offset"]) * per_token > max_bytes)):
                     a, b = int(run[0]["offset"]), int(run[-1]["offset"] + run[-1]["length"])
                     part = {k: v[a:b] for k, v in t.items() if k not in block}
-                    yield [{**r, "at": int(r["offset"]) - a} for r in run], self._decoded({**part, **block})
+                    out = self._decoded({**part, **block})
+                    yield [{**r, "at": int(r["offset"]) - a} for r in run], ({**out, "stored": {**part, **block}}
+                                                                             if stored else out)
                     run = []
                 if row is not None:
                     run.append(row)

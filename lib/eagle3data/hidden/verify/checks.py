@@ -31,6 +31,7 @@ TOP1_ALPHA = 1e-6
 EXACT_RUN_FLOOR = 8
 EXACT_PER_SAMPLE = 16
 HEAD_FLOPS_PER_BYTE = 10.0
+DECODED_ROUNDING = 2.0 ** -8  # an 8-bit store decoded to bf16: each value rounded by at most 2^-9 of itself
 REDUCE_BYTES = 2 * 2**20  # float32 bytes converted and reduced at once (within this CPU's 4 MiB L2; docs/04 "Cost")
 MIN_OUT_LOGPROB = -4.0  # next output token log-prob: a sample's median (from EXACT_PER_SAMPLE), the run's pooled mean
 # Logit z limits (mean over the sample's z positions; docs/04 "Thresholds"): per-sample means on the nbval fixture
@@ -71,7 +72,7 @@ GROSS = 16.0
 CHECKS = {
     "finite": "no NaN or Inf in any stored state",
     "flat_rows": "no all-zero or constant row (one token's state of one layer)",
-    "layer_duplicate": "no two stored layers equal element for element",
+    "layer_duplicate": "no two stored layers equal element for element (8-bit stores: within their stored steps)",
     "final_kind": "the final state is the kind the store says (post-norm: rms(state / norm weight) = 1)",
     "head_top1": "greedy records: the head's top-1 is the record's next token at the exact output positions",
     "head_logprob": "the record's next output token is likely under the head (median log-prob; vs the run)",
@@ -167,9 +168,16 @@ def exact_plan(lengths: Sequence[int], outputs: Sequence[int], token_bytes: int,
     return got
 
 
-def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]], codec: Any = None,
+                  stored: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The figures that need no head, for each sample `(first row, rows)` of `spans` in the states `hs` [tokens, S,
     hidden] of consecutive samples: finiteness, flat rows, duplicate layers, norm profile.
+
+    An 8-bit store (`codec` quantized, `stored` the same rows' tensors as stored, or decoded where no channels are
+    stored) holds each layer within its own quantization step of what was captured, so two layers captured equal
+    are stored equal only within their two steps: they are duplicates when every element agrees within
+    `StateCodec.error_bound` of both (plus the decoded dtype's rounding), and the norm sums that pick the candidates
+    widen by the bounds' row norms (`StateCodec.bound_norms`). A bf16 store's duplicates are equal element for element.
 
     One reduction per row (its 2-norm), over all the samples at once, and the row's first element decide every
     figure; the element-wise tests run only on the rows (or layer pairs) those cannot clear, so the verdicts are
@@ -218,12 +226,27 @@ def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]
     last = torch.tensor([a + n for a, n in spans], dtype=torch.long)
     tot = runs[last] - runs[first]  # [spans, S]
     la, lb = torch.triu_indices(s, s, 1)
-    same = (tot[:, la] - tot[:, lb]).abs() <= 1e-4 * (tot[:, la] + tot[:, lb])
+    slack = 1e-4 * (tot[:, la] + tot[:, lb])
+    quantized = codec is not None and codec.quantized
+    if quantized:
+        bn = torch.cat([torch.zeros(1, s, dtype=torch.float64), codec.bound_norms(stored, nrm).double().cumsum(0)])
+        btot = bn[last] - bn[first]
+        slack = slack + btot[:, la] + btot[:, lb] + DECODED_ROUNDING * (tot[:, la] + tot[:, lb])
+    same = (tot[:, la] - tot[:, lb]).abs() <= slack
     dups: list[list[list[str]]] = [[] for _ in spans]
     pairs = list(zip(la.tolist(), lb.tolist()))
     for i, j in same.nonzero().tolist():  # (span, pair) whose norms agree
         a, n = spans[i]
-        if torch.equal(hs[a:a + n, pairs[j][0]], hs[a:a + n, pairs[j][1]]):
+        x, y = hs[a:a + n, pairs[j][0]], hs[a:a + n, pairs[j][1]]
+        if quantized:
+            keep = set(codec.block_tensors())
+            e = codec.error_bound({k: v if k in keep else v[a:a + n] for k, v in stored.items()})
+            x, y = x.float(), y.float()
+            equal = bool(((x - y).abs() <= e[:, pairs[j][0]] + e[:, pairs[j][1]]
+                          + DECODED_ROUNDING * (x.abs() + y.abs())).all())
+        else:
+            equal = torch.equal(x, y)
+        if equal:
             dups[i].append([names[pairs[j][0]], names[pairs[j][1]]])
     rms = (nrm / h ** 0.5).numpy()
     out = []

@@ -206,7 +206,7 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
     shape = (len(names), info["hidden_size"])
     files: dict[str, dict[str, str]] = {}  # a file that does not open, or whose checksum is not the index's
     try:
-        for chunk, part in reader.chunks(CHUNK_BYTES, problems=files, checksums=True):
+        for chunk, part in reader.chunks(CHUNK_BYTES, problems=files, checksums=True, stored=reader.codec.quantized):
             hs_all, ids_all, mask_all = part["hidden_states"], part["input_ids"], part["loss_mask"]
             todo = []  # (row, sample) of the samples whose states have the store's shape: their figures at once
             for r in chunk:
@@ -226,7 +226,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
                 rows.append(row)
             if not todo:
                 continue
-            figs = chunk_figures(hs_all, names, [(a, row["length"]) for row, _, a, _ in todo])
+            figs = chunk_figures(hs_all, names, [(a, row["length"]) for row, _, a, _ in todo], reader.codec,
+                                 part.get("stored"))
             plan = [{"at": a, "length": row["length"], "key": row["key"], "tag": tag, "prompt_from": row["shared_prefix"],
                      "k": (exact[row["key"]], *head_counts(row["length"] * token_bytes, hidden, positions))}
                     for row, _, a, tag in todo]
