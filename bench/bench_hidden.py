@@ -60,7 +60,8 @@ def _params(run_root: Path, hidden_out: Path | None = None):
 
     over = {"output_root": str(run_root), "run_name": "embedded", "hidden.probe_batches": 0,
             "hidden.validate_after": False,
-            "hidden.final_state": "post_norm"}  # 4 states per token, like the naive baseline (HF hidden_states)
+            "hidden.final_state": "post_norm",  # 4 states per token, like the naive baseline (HF hidden_states)
+            "hidden.storage": "bf16"}  # as the committed figures were measured (the int8 default's encoding: not yet)
     if hidden_out is not None:
         over["hidden.out_dir"] = str(hidden_out)
     return load_params(REPO / "params" / "embedded.yaml", over)

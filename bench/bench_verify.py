@@ -65,14 +65,21 @@ def linked_copy(run: Path, dst: Path) -> Path:
     return dst
 
 
+# the stores the committed figures and the limits were measured on (bf16; 04's default for layout shards is int8 since
+# 2026-12-05, whose verify figures are not measured yet: set "int8" here to measure them)
+STORAGE = "bf16"
+SUFFIX = "" if STORAGE == "bf16" else f"_{STORAGE}"  # another storage: stores of its own
+
+
 def fixture_params():
     """The nbval fixture records, extracted once into outputs/bench/verify_run (the store the limits come from)."""
     from eagle3data.core.params import load_params
     from eagle3data.hidden.extract import run_extract
 
-    root = OUT / "verify_run"
+    root = OUT / ("verify_run" + SUFFIX)
     p = load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
-                    {"output_root": str(root), "hidden.probe_batches": 0, "hidden.verify_after": False})
+                    {"output_root": str(root), "hidden.probe_batches": 0, "hidden.verify_after": False,
+                     "hidden.storage": STORAGE})
     if not (p.run_dir / "hidden" / "index.json").exists():
         shutil.rmtree(root, ignore_errors=True)
         shutil.copytree(REPO / "tests" / "fixtures" / "runs" / "nbval" / "records", p.run_dir / "records")
@@ -88,10 +95,10 @@ def long_params():
     from eagle3data.generate.run import run_generate
     from eagle3data.hidden.extract import run_extract
 
-    root = OUT / "verify_long"
+    root = OUT / ("verify_long" + SUFFIX)
     p = load_params(REPO / "params" / "embedded.yaml",
                     {"output_root": str(root), "generate.sampling.max_new_tokens": 2048, "hidden.probe_batches": 0,
-                     "hidden.verify_after": False})
+                     "hidden.verify_after": False, "hidden.storage": STORAGE})
     if not (p.run_dir / "hidden" / "index.json").exists():
         run_generate(p, progress=False)  # resumable: a stopped run goes on where it was
         run_extract(p, progress=False)
@@ -115,7 +122,7 @@ def large_params():
     from eagle3data.generate.run import run_generate
     from eagle3data.hidden.extract import run_extract
 
-    root = OUT / "verify_large"
+    root = OUT / ("verify_large" + SUFFIX)
     data = root / "prompts" / "stdlib_review.jsonl"
     if not data.exists():
         lib = Path(sysconfig.get_paths()["stdlib"])
@@ -130,7 +137,7 @@ def large_params():
     raw.update(run_name="stdlib_review", output_root=str(root),
                datasets=[{"name": "stdlib_review", "path": str(data)}])
     raw["generate"]["sampling"]["max_new_tokens"] = 32
-    raw["hidden"].update(probe_batches=0, verify_after=False)
+    raw["hidden"].update(probe_batches=0, verify_after=False, storage=STORAGE)
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
     p = load_params(root / "params.yaml")
     if not (p.run_dir / "hidden" / "index.json").exists():
