@@ -75,13 +75,13 @@ def clean(tmp_path_factory):
     return p
 
 
-def _copy(p, tmp_path, storage="bf16"):
-    """A private copy of the run (records, provenance, store) for one mutation."""
+def _copy(p, tmp_path, **over):
+    """A private copy of the run (records, provenance, store) for one mutation; `over`: its hidden params (bf16)."""
     dst = tmp_path / "run"
     shutil.copytree(p.run_dir, dst / p.run_name)
     return load_params(REPO / "tests" / "fixtures" / "nbval.yaml",
                        {"output_root": str(dst), "hidden.probe_batches": 0, "hidden.verify_after": False,
-                        "hidden.storage": storage})
+                        "hidden.storage": "bf16", **over})
 
 
 class _Memo:
@@ -153,15 +153,31 @@ def _mutate(p, change) -> None:
 
 def _mutate_before_storing(p, src, change) -> None:
     """The fault as an engine makes it in an 8-bit store: `change` applied to the states as captured (the clean bf16
-    store `src` of the same run), then each of `p`'s shards encoded from them by its own codec, as 04's writer
-    encodes a shard at its flush (the faulty block's own scales and channel statistics)."""
+    store `src` of the same run, every state), then `p`'s files written from them as 04 writes them: each shard
+    encoded by its codec at the shard's flush (the faulty block's own scales and channel statistics), each per-sample
+    file by its trainer's `write_sample` (speculators' FP8 file: one scale per token)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
+
+    from eagle3data.hidden.store.format import split_states
+    from eagle3data.trainers.registry import get_trainer
 
     _, hs, mask, rows, _ = _store_states(src)
     change(hs, rows, mask)
     rd = HiddenReader(hidden_dir(p))
     assert rd.codec.quantized
+    have = list(HiddenReader(hidden_dir(src)).info["states"])
+    names = tuple(rd.info["states"])
+    hs = hs[:, [have.index(x) for x in names]]
+    if rd.layout != "shards":
+        trainer = get_trainer(rd.layout)
+        for i, k in enumerate(rd.keys()):
+            path = hidden_dir(p) / rd.index.iloc[i]["shard"]
+            ids, lm = trainer.read_ids(path)
+            aux, finals = split_states(hs[rows[k][0]:rows[k][0] + rows[k][1]], names)
+            trainer.write_sample(path, ids, lm, aux, finals, trainer.read_meta(path), storage=rd.codec.aux)
+            as_written(hidden_dir(p), path)
+        return
     for shard in sorted(set(rd.index["shard"])):
         part = sorted((int(rd.index.iloc[i]["offset"]), k) for i, k in enumerate(rd.keys())
                       if rd.index.iloc[i]["shard"] == shard)
@@ -335,35 +351,47 @@ def test_each_mutation_flags_its_sample_and_no_other(clean, tmp_path, kind):
     assert not res.ok
 
 
-@pytest.fixture(scope="module")
-def clean8(tmp_path_factory):
-    """04's clean store of the same run in the shards layout's default storage (int8/channel_rms since the ablation:
-    `default_storage`), not verified yet. Do not change it."""
-    fmt, scale = default_storage("shards")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RANK", raising=False)
-        mp.delenv("WORLD_SIZE", raising=False)
-        p = _make_run(tmp_path_factory.mktemp("verify8"), **{"hidden.storage": fmt, "hidden.storage_scale": scale})
-        res = run_extract(p, progress=False, model=_model(p))
-    assert res.merged and res.validation.ok and HiddenReader(hidden_dir(p)).codec.quantized
-    return p
+DEFAULT_8BIT = {"int8_shards": {"hidden.layout": "shards"},  # both final states, as the bf16 store has
+                "fp8_speculators_files": {"hidden.layout": "speculators"}}
+_CLEAN8: dict[str, object] = {}
+
+
+def _clean8(tmp_path_factory, which):
+    """04's clean store of the same run in a layout's default 8-bit storage (`default_storage`: int8/channel_rms for
+    shards, speculators' FP8 files for speculators, since the ablation), not verified yet. Do not change it."""
+    if which not in _CLEAN8:
+        over = DEFAULT_8BIT[which]
+        fmt, scale = default_storage(over["hidden.layout"])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("RANK", raising=False)
+            mp.delenv("WORLD_SIZE", raising=False)
+            p = _make_run(tmp_path_factory.mktemp(f"verify_{which}"),
+                          **over, **{"hidden.storage": fmt, "hidden.storage_scale": scale})
+            res = run_extract(p, progress=False, model=_model(p))
+        assert res.merged and res.validation.ok and HiddenReader(hidden_dir(p)).codec.quantized
+        _CLEAN8[which] = p
+    return _CLEAN8[which]
 
 
 def _unchanged(hs, rows, mask):
     pass
 
 
+@pytest.mark.parametrize("store", list(DEFAULT_8BIT))
 @pytest.mark.parametrize("kind", ["unchanged", *MUTATIONS])
-def test_each_mutation_in_the_default_8bit_store_flags_its_sample_and_no_other(clean, clean8, tmp_path, kind):
-    """The same faults in the store 04 writes by default (int8/channel_rms), made where an engine makes them: in the
-    states as captured, before 04's codec quantizes the shard (its scales and channel statistics then describe the
-    faulty block). Each is caught in its sample alone by the same cheap check as in bf16 and by the recompute within
-    the stored step; the clean states encoded the same way pass every check (the control)."""
+def test_each_mutation_in_the_default_8bit_store_flags_its_sample_and_no_other(clean, tmp_path_factory, tmp_path,
+                                                                                kind, store):
+    """The same faults in the stores 04 writes by default (shards: int8/channel_rms; speculators: its FP8 files), made
+    where an engine makes them: in the states as captured, before 04 quantizes them (a shard's scales and channel
+    statistics then describe the faulty block). Each is caught in its sample alone by the same cheap check as in bf16
+    and by the recompute within the stored step; the clean states written the same way pass every check."""
     global _HEAD
     if _HEAD is None:
         _HEAD = load_head(resolve_model_path(clean.model.path), load_config(clean))
     change, keys, check = MUTATIONS[kind] if kind != "unchanged" else (_unchanged, set(), None)
-    p = _copy(clean8, tmp_path, storage=default_storage("shards")[0])
+    src = _clean8(tmp_path_factory, store)
+    fmt, scale = default_storage(DEFAULT_8BIT[store]["hidden.layout"])
+    p = _copy(src, tmp_path, **DEFAULT_8BIT[store], **{"hidden.storage": fmt, "hidden.storage_scale": scale})
     _mutate_before_storing(p, clean, change)
     res = _verify(p, recompute="all")
     failed = _failed(res)
