@@ -66,8 +66,8 @@ def linked_copy(run: Path, dst: Path) -> Path:
 
 
 # the stores the committed figures and the limits were measured on (bf16; 04's default for layout shards is int8 since
-# 2026-12-05, whose verify figures are not measured yet: set "int8" here to measure them)
-STORAGE = "bf16"
+# 2026-12-05, whose verify figures are not measured yet: BENCH_VERIFY_STORAGE=int8 measures them)
+STORAGE = os.environ.get("BENCH_VERIFY_STORAGE", "bf16")
 SUFFIX = "" if STORAGE == "bf16" else f"_{STORAGE}"  # another storage: stores of its own
 
 
@@ -458,7 +458,7 @@ def main() -> int:
         "load_average": os.getloadavg(),
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "verify.json").write_text(json.dumps(figures, indent=2))
+    (OUT / f"verify{SUFFIX}.json").write_text(json.dumps(figures, indent=2))
     print(json.dumps(figures, indent=2))
     return 0
 
