@@ -47,8 +47,8 @@ def handoff():
     src = ensure_records()[0] / "embedded"  # (a folder holding embedded/records, where it came from)
     root = OUT / "value_run"
     p = load_params(REPO / "params" / "embedded.yaml", {"output_root": str(root), "run_name": "embedded",
-                                                         "hidden.probe_batches": 0, "hidden.layout": "speculators", "hidden.storage": "bf16",
-                                                         "export.draft_vocab_size": 8192})
+                                                         "hidden.probe_batches": 0, "hidden.layout": "speculators",
+                                                         "hidden.storage": "bf16", "export.draft_vocab_size": 8192})
     if not (p.run_dir / "export" / "speculators" / "handoff.json").exists():
         shutil.rmtree(p.run_dir, ignore_errors=True)
         shutil.copytree(src / "records", p.run_dir / "records")

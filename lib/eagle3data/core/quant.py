@@ -250,63 +250,57 @@ class StateCodec:
                                     dtype or torch.bfloat16))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    def _steps(self, tensors: dict[str, Any], name: str, a: int, b: int, st: Storage) -> tuple[Any, Any, Any]:
+        """One quantized group's (values as given, per-token scale [tokens, 1 | n, 1], channel statistics [n, hidden] or
+        None), from the stored tensors (`encode`'s; token-first ones may be sliced), or from decoded `hidden_states`
+        for the schemes without channels (a trainer's FP8 file, read back): there the absmax value was encoded as the
+        format's largest value exactly (1% over it for the dtype's rounding), and `values` are decoded, not in steps."""
+        torch = _torch()
+        values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
+        if values.shape[1] != b - a:  # decoded: every group's states in one `hidden_states`
+            values = values[:, a:b]
+        if values.dtype in (torch.int8, torch.float8_e4m3fn):  # as stored: values in steps
+            channels = tensors[name + "_channels"].float() if st.needs_channels else None
+            return values, tensors[name + "_scales"].float(), channels
+        if st.needs_channels:
+            raise StorageError(f"storage {st.name}: its error bound needs the stored scales and channels")
+        top = INT8_MAX if st.format == "int8" else FP8_MAX
+        amax = values.float().abs().amax(dim=(1, 2) if st.scale == "token" else (2,), keepdim=True)
+        return values, amax * (1.01 / top), None
+
     def error_bound(self, tensors: dict[str, Any]) -> Any:
         """The most each decoded value `[tokens, S, hidden]` can differ from the state that was encoded, fp32: int8
         half a step, fp8 e4m3 half an ulp (2^-4 of the value; 2^-10 of the step below its least normal); 0 for an
-        unquantized group (its rounding is the dtype's). From the stored tensors (`encode`'s; token-first ones may be
-        sliced), or from decoded `hidden_states` for the schemes without channels (a trainer's FP8 file, read back):
-        their step is the token's (or token and state's) absmax over the format's largest value."""
+        unquantized group (its rounding is the dtype's). From the stored tensors or decoded values (`_steps`)."""
         torch = _torch()
         parts = []
         for name, a, b, st in self.groups:
-            values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
-            if values.shape[1] != b - a:  # decoded: every group's states in one `hidden_states`
-                values = values[:, a:b]
             if not st.quantized:
-                parts.append(torch.zeros(values.shape, dtype=torch.float32))
+                values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
+                parts.append(torch.zeros((values.shape[0], b - a, values.shape[-1]), dtype=torch.float32))
                 continue
-            if values.dtype in (torch.int8, torch.float8_e4m3fn):  # as stored: values in steps
-                step = tensors[name + "_scales"].float()
-                if st.needs_channels:
-                    step = step * tensors[name + "_channels"].float()
-                y = values.float().abs()
-            elif st.needs_channels:
-                raise StorageError(f"storage {st.name}: its error bound needs the stored scales and channels")
-            else:  # decoded: the absmax value was encoded as `top` exactly (1% over it for the dtype's rounding)
-                x = values.float().abs()
-                top = INT8_MAX if st.format == "int8" else FP8_MAX
-                step = x.amax(dim=(1, 2) if st.scale == "token" else (2,), keepdim=True) * (1.01 / top)
-                y = x / step.clamp(min=1e-30)
+            values, step, channels = self._steps(tensors, name, a, b, st)
+            if channels is not None:
+                step = step * channels
+            stored = values.dtype in (torch.int8, torch.float8_e4m3fn)
+            y = values.float().abs() if stored else values.float().abs() / step.clamp(min=1e-30)
             half = 0.5 if st.format == "int8" else 2.0 ** -4 * y + 2.0 ** -10
             parts.append((half * step).expand(values.shape))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def bound_norms(self, tensors: dict[str, Any], norms: Any) -> Any:
-        """Each row's 2-norm of `error_bound` [tokens, S], at least: from the stored scales and channels alone (O(tokens
-        x S) where `error_bound` is O(tokens x S x hidden)), or from decoded FP8 values as `error_bound` reads them;
-        `norms` the decoded rows' 2-norms [tokens, S] (fp8's bound is relative to the value: ||2^-4 y|| = 2^-4 ||y||)."""
+        """Each row's 2-norm of `error_bound` [tokens, S], at least, from the scales and channels alone (O(tokens x S)
+        where `error_bound` is O(tokens x S x hidden)); `norms` the decoded rows' 2-norms [tokens, S] (fp8's bound is
+        relative to the value: ||2^-4 y|| = 2^-4 ||y||)."""
         torch = _torch()
         parts = []
         for name, a, b, st in self.groups:
             if not st.quantized:
                 parts.append(torch.zeros(norms.shape[0], b - a))
                 continue
-            values = tensors[name] if name in tensors else tensors["hidden_states"][:, a:b]
-            if values.shape[1] != b - a:  # decoded: every group's states in one `hidden_states`
-                values = values[:, a:b]
-            hidden = values.shape[-1]
-            if values.dtype in (torch.int8, torch.float8_e4m3fn):  # as stored: a row's step is scale x channels
-                scale = tensors[name + "_scales"].float()[..., 0]  # [tokens, 1 or S]
-                per = (tensors[name + "_channels"].float().norm(dim=-1) if st.needs_channels
-                       else torch.full((b - a,), hidden ** 0.5))
-            elif st.needs_channels:
-                raise StorageError(f"storage {st.name}: its error bound needs the stored scales and channels")
-            else:
-                top = INT8_MAX if st.format == "int8" else FP8_MAX
-                scale = values.float().abs().amax(dim=(1, 2) if st.scale == "token" else (2,), keepdim=True)[..., 0]
-                scale = scale * (1.01 / top)
-                per = torch.full((b - a,), hidden ** 0.5)
-            step = (scale * per).expand(norms.shape[0], b - a)  # ||scale x channels|| per row
+            values, scale, channels = self._steps(tensors, name, a, b, st)
+            per = channels.norm(dim=-1) if channels is not None else torch.full((b - a,), values.shape[-1] ** 0.5)
+            step = (scale[..., 0] * per).expand(norms.shape[0], b - a)  # ||scale x channels|| per row
             parts.append(0.5 * step if st.format == "int8" else 2.0 ** -4 * norms[:, a:b].float() + 2.0 ** -10 * step)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 

@@ -235,11 +235,11 @@ def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]
     same = (tot[:, la] - tot[:, lb]).abs() <= slack
     dups: list[list[list[str]]] = [[] for _ in spans]
     pairs = list(zip(la.tolist(), lb.tolist()))
+    keep = set(codec.block_tensors()) if quantized else set()  # whole-block tensors: not sliced per sample
     for i, j in same.nonzero().tolist():  # (span, pair) whose norms agree
         a, n = spans[i]
         x, y = hs[a:a + n, pairs[j][0]], hs[a:a + n, pairs[j][1]]
         if quantized:
-            keep = set(codec.block_tensors())
             e = codec.error_bound({k: v if k in keep else v[a:a + n] for k, v in stored.items()})
             x, y = x.float(), y.float()
             equal = bool(((x - y).abs() <= e[:, pairs[j][0]] + e[:, pairs[j][1]]
