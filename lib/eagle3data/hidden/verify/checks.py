@@ -168,6 +168,13 @@ def exact_plan(lengths: Sequence[int], outputs: Sequence[int], token_bytes: int,
     return got
 
 
+def stored_rows(stored: dict[str, Any], codec: Any, a: int, n: int) -> dict[str, Any]:
+    """Rows a..a+n of a run's tensors as stored (`HiddenReader.chunks(stored=True)`): the token-first ones sliced, the
+    block's channel statistics whole (what `StateCodec.error_bound` reads)."""
+    keep = set(codec.block_tensors())
+    return {k: v if k in keep else v[a:a + n] for k, v in stored.items()}
+
+
 def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]], codec: Any = None,
                   stored: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The figures that need no head, for each sample `(first row, rows)` of `spans` in the states `hs` [tokens, S,
@@ -235,12 +242,11 @@ def chunk_figures(hs: Any, names: Sequence[str], spans: Sequence[tuple[int, int]
     same = (tot[:, la] - tot[:, lb]).abs() <= slack
     dups: list[list[list[str]]] = [[] for _ in spans]
     pairs = list(zip(la.tolist(), lb.tolist()))
-    keep = set(codec.block_tensors()) if quantized else set()  # whole-block tensors: not sliced per sample
     for i, j in same.nonzero().tolist():  # (span, pair) whose norms agree
         a, n = spans[i]
         x, y = hs[a:a + n, pairs[j][0]], hs[a:a + n, pairs[j][1]]
         if quantized:
-            e = codec.error_bound({k: v if k in keep else v[a:a + n] for k, v in stored.items()})
+            e = codec.error_bound(stored_rows(stored, codec, a, n))
             x, y = x.float(), y.float()
             equal = bool(((x - y).abs() <= e[:, pairs[j][0]] + e[:, pairs[j][1]]
                           + DECODED_ROUNDING * (x.abs() + y.abs())).all())

@@ -38,7 +38,8 @@ from eagle3data.hidden.verify.checks import (CHECKS, EXACT_PER_SAMPLE, MIN_PROFI
                                              SAMPLED_Z_MAX_TEMPERATURE,
                                              VerifyError, chunk_figures, compare_states, exact_plan, head_counts, judge,
                                              out_z_floor, pooled_exact, profile_stats, recompute_failed,
-                                             run_head_problems, top1_limit, unique_starts)
+                                             run_head_problems, stored_rows, top1_limit,
+                                             unique_starts)
 from eagle3data.hidden.verify.head import HeadBatch, head_figures, load_head
 from eagle3data.hidden.verify.prefix import (PREFIX_NORM_TOL, compare_pairs, judge_pairs, kept_rows, prefix_pairs,
                                              row_norms)
@@ -240,8 +241,8 @@ def verify_store(params: RunParams, *, config: Any, backend: Backend | None = No
                 if row["key"] in picks:
                     t1 = time.perf_counter()
                     ref = redo.run(smp["input_ids"].long()[None])[0].cpu()
-                    bound = reader.codec.error_bound(reader.sample(row["key"], raw=True)) if reader.codec.quantized \
-                        else None  # an 8-bit store differs from the forward by its own step too
+                    bound = (reader.codec.error_bound(stored_rows(part["stored"], reader.codec, a, row["length"]))
+                             if reader.codec.quantized else None)  # an 8-bit store differs by its own step too
                     row["recompute"] = compare_states(smp["hidden_states"], ref, names, info["dtype"], bound, compute)
                     recompute_s += time.perf_counter() - t1
         batch.flush()
