@@ -93,8 +93,8 @@ lab: model ## start JupyterLab (installed by `make install`, no network) on the 
 notebooks: $(STAMP) ## regenerate notebooks/*.ipynb from their jupytext .py sources (outputs stripped)
 	$(BIN)/jupytext --update --to ipynb notebooks/[0-9]*.py notebooks/_template.py
 
-golden: model ## re-execute the nbval golden notebooks (tests/golden/) on the fixture runs; read the diff before committing
-	$(BIN)/python tests/golden/refresh.py
+golden: model ## re-execute the nbval golden notebooks (tests/golden/) on the fixture runs (GOLDENS="04_extract_hidden ..." for some); read the diff before committing
+	$(BIN)/python tests/golden/refresh.py $(GOLDENS)
 
 clean: ## remove outputs (keeps the venv and the model cache)
 	find outputs -mindepth 1 ! -name README.md -exec rm -rf {} +

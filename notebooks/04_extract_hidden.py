@@ -128,6 +128,9 @@ ver.failed_table() if ver else None
 
 # %% [markdown]
 # ## 9. Reading one sample back (what a trainer does)
+# Its index row, then each tensor's shape and dtype. The row's `checksum` is its file's content checksum
+# (XXH3-128 over the stored bytes: float states, which another CPU rounds differently in the last bits), so it
+# proves a copy of this store, not that two machines computed the same states; the ids, masks and shapes do.
 
 # %%
 reader = HiddenReader(res.hidden_dir) if res.merged else None  # a stopped run has no index yet

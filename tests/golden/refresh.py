@@ -69,16 +69,27 @@ def drop_finished_sessions() -> list[Path]:
 
 
 def main(names: list[str]) -> None:
+    """Refresh the named goldens (all when none). Each stage reads what the earlier ones left in the fixture run, so
+    the goldens before a named one run too, into a scratch copy that is not kept."""
+    import tempfile
+
+    unknown = [n for n in names if n not in GOLDENS]
+    if unknown:
+        raise SystemExit(f"unknown golden {unknown[0]!r}; known: {', '.join(GOLDENS)}")
+    order = list(GOLDENS)
+    last = max((order.index(n) for n in names), default=len(order) - 1)
     reset_fixture_runs()
-    for name, (stage, params_file) in GOLDENS.items():
-        if names and name not in names:
-            continue
-        print(f"golden {name}")
-        out = GOLDEN / f"{name}.ipynb"
-        pm.execute_notebook(str(REPO / "notebooks" / f"{stage}.ipynb"), str(out),
-                            parameters={"params_file": params_file, "overrides": {}}, kernel_name="python3",
-                            cwd=str(REPO), progress_bar=False)
-        stabilize(out)
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in order[: last + 1]:
+            stage, params_file = GOLDENS[name]
+            keep = not names or name in names
+            print(f"golden {name}" if keep else f"golden {name} (run for the stages after it; not kept)")
+            out = GOLDEN / f"{name}.ipynb" if keep else Path(scratch) / f"{name}.ipynb"
+            pm.execute_notebook(str(REPO / "notebooks" / f"{stage}.ipynb"), str(out),
+                                parameters={"params_file": params_file, "overrides": {}}, kernel_name="python3",
+                                cwd=str(REPO), progress_bar=False)
+            if keep:
+                stabilize(out)
 
 
 def stabilize(path: Path) -> None:
