@@ -33,6 +33,7 @@ from eagle3data.hidden.mix import hidden_dir, read_mix
 from eagle3data.hidden.store.format import read_shard_meta, shard_dir
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.store.format import HiddenError
+from eagle3data.hidden.store.failures import SamplesFailed
 from eagle3data.hidden.verify.command import verify_cli
 from eagle3data.hidden.norms import rms_norm
 from eagle3data.hidden.engines.vllm_capture import final_norm, hidden_command, norm_kind
@@ -136,9 +137,11 @@ def test_a_bad_reply_fails_its_sample_alone_and_resume_completes_it(fake_engine,
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = vllm_params(fake_engine)
     fake_engine.faults.append(fault)
-    res = run_extract(p, progress=False)
+    with pytest.raises(SamplesFailed, match=r"^1 of \d+ samples failed after their retries") as failed:
+        run_extract(p, progress=False)  # a sample the engine failed is a failed stage (issue 52): nothing merged
+    res = failed.value.result
     n = len(read_mix(hidden_dir(p)).samples)
-    assert not res.merged and res.stats["failed"] == 1 and res.waiting_for == 1
+    assert not res.merged and res.stats["failed"] == 1 and "\n" not in str(failed.value)
     (f,) = res.stats["failures"]
     assert re.search(reason, f["error"]), f["error"]
     assert len(stored_keys(p)) == n - 1 and f["key"] not in stored_keys(p)  # nothing else lost
@@ -154,7 +157,9 @@ def test_a_dead_server_fails_the_rest_keeps_what_was_stored(fake_engine, vllm_pa
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     p = vllm_params(fake_engine, **{"hidden.vllm.concurrency": 1})
     fake_engine.faults.extend(["none", "die"])
-    res = run_extract(p, progress=False)
+    with pytest.raises(SamplesFailed) as failed:
+        run_extract(p, progress=False)
+    res = failed.value.result
     n = len(read_mix(hidden_dir(p)).samples)
     assert res.stats["extracted"] == 1 and res.stats["failed"] == n - 1 and not res.merged
     assert all("ConnectError" in f["error"] or "closed" in f["error"] for f in res.stats["failures"]), \

@@ -55,6 +55,8 @@ from eagle3data.hidden.engines.sglang_capture import capture_sglang, sglang_laye
 from eagle3data.hidden.engines.vllm_capture import capture_vllm, holds_vllm_server, vllm_layers_note
 from eagle3data.hidden.verify.run import VerifyResult, verify_store
 from eagle3data.hidden.merge import IncompleteError, merge_store
+from eagle3data.hidden.store.failures import (SamplesFailed, accepted_failures, accepted_line, clear_failures,
+                                              failed_line, hf_failure, short, write_failures)
 from eagle3data.hidden.verify.sglang import sglang_backend
 from eagle3data.hidden.verify.vllm import vllm_backend
 
@@ -303,6 +305,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     check_disk(est, hdir)
     # what a crash left: this worker's partial files (every worker's when alone); the plan never counted them as done
     discarded = scan_shards(hdir, discard_for_rank=rank, discard_all=world == 1).discarded
+    clear_failures(hdir, rank, world)  # this run tries those samples again: its own failures are recorded below
 
     stats: dict[str, Any] = {
         "rank": rank, "world_size": world, "samples_in_part": len(work.part),
@@ -319,13 +322,17 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
             "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
             "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),
             "final_state": hp.final_state, "layout": hp.layout, "storage": stats["storage"], "mix_fingerprint": mix.manifest.get("fingerprint")}
+    failures: list[dict[str, Any]] = []  # samples not stored after their retries (every backend), with the error
+    ledgers: list[str] = []  # the engine's own ledgers that hold them
     if work.todo and hp.backend == "vllm":  # a vLLM server computes the states (engines/vllm_capture.py); same writer
-        capture_vllm(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info), stats,
-                     layers=layers, config=config, progress=progress)
+        failures, ledgers = capture_vllm(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info),
+                                         stats, layers=layers, config=config, progress=progress)
     elif work.todo and hp.backend == "sglang":  # two SGLang passes, aux then final (engines/sglang_capture.py)
-        capture_sglang(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info), stats,
-                       layers=layers, config=config, progress=progress)
+        failures, ledgers = capture_sglang(params, work.todo, open_writer(hdir, rank, hp.layout, hp.shard_bytes, info),
+                                           stats, layers=layers, config=config, progress=progress)
     elif work.todo:
+        import torch
+
         if plan.model is None:  # a plan made without loading it
             plan.model = model if model is not None else load_extract_model(params)
         model = plan.model
@@ -343,13 +350,25 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
             try:
                 for b in batches:
                     ids, mask = pad_batch([seqs[i] for i in b], pad_id)
-                    states = cap.run(ids, mask).cpu()
+                    try:
+                        states = cap.run(ids, mask).cpu()
+                    except Exception as e:  # noqa: BLE001 - a forward that raised (out of memory, ...) fails its batch
+                        for i in b:
+                            failures.append(hf_failure(work.todo[i][1], f"forward raised {type(e).__name__}: "
+                                                        f"{short(e)}"))
+                        line.update(stats, time.perf_counter() - t0)
+                        continue
                     stats["batches"] += 1
                     stats["padded_tokens"] += ids.numel()
                     stats["computed_tokens"] += sum(len(seqs[i]) for i in b)
                     for r, i in enumerate(b):
                         pos, s = work.todo[i]
-                        writer.add(s, pos, states[r, : len(s.input_ids)].clone())
+                        one = states[r, : len(s.input_ids)]
+                        if not bool(torch.isfinite(one).all()):
+                            failures.append(hf_failure(s, f"hidden states hold {int((~torch.isfinite(one)).sum())} "
+                                                           "NaN or inf values"))
+                            continue
+                        writer.add(s, pos, one.clone())
                         stats["extracted"] += 1
                         stats["tokens"] += len(s.input_ids)
                         if max_new_shards is not None and len(writer.written) >= max_new_shards:
@@ -373,21 +392,32 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
             # samples still queued when stopping early are not stored: count what is on disk
             stats["extracted"] -= len(writer.entries)
             stats["tokens"] -= writer.tokens
+            if failures:  # (a clean HF run's stats keep their rows: the golden notebook shows them)
+                stats.update(failed=len(failures), failures=failures[:50])
     if stats["padded_tokens"]:
         stats["pad_fraction"] = round(1 - stats["computed_tokens"] / stats["padded_tokens"], 4)
     if stats["seconds"]:
         stats["tokens_per_s"] = round(stats["computed_tokens"] / stats["seconds"], 1)
 
     result = ExtractResult(hdir, rank, world, mix.manifest, est, stats, work.too_long, merged=False, plan=plan)
+    path = write_failures(hdir, rank, world, failures, backend=hp.backend, ledgers=ledgers, tried=len(work.todo))
     if stats["stopped_early"]:
         return result
+    if len(failures) > hp.allow_failed_samples:  # a sample the engine failed is a failed stage: nothing merged
+        raise SamplesFailed(failed_line(failures, len(work.todo), path, ledgers, hp.allow_failed_samples), result)
     try:
         index = merge_index(params, mix=mix, config=config)
     except IncompleteError as e:
+        if world == 1:  # no other worker to wait for: what this run left unstored is a failed stage
+            raise SamplesFailed(f"{e}; ledger: {path or 'none (no sample of this run failed)'}", result) from None
         result.waiting_for = e.missing
         return result
     result.merged = True
     result.index = index
+    if accepted := accepted_failures(hdir):  # failed samples accepted (allow_failed_samples): out of the mix
+        mix = read_mix(hdir)
+        result.mix_manifest, stats["failed_accepted"] = mix.manifest, accepted
+        print(accepted_line(accepted, hp.allow_failed_samples), flush=True) if progress else None
     if hp.validate_after:
         result.validation = validate_store(params, mix=mix)
     if hp.verify_after:  # the store's backend recomputes a few samples per shard: the model at hand, the same vLLM

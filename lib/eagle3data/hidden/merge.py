@@ -15,6 +15,7 @@ import orjson
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers
 from eagle3data.hidden.mix import Mix, hidden_dir, read_mix
+from eagle3data.hidden.store.failures import drop_failed, read_failures
 from eagle3data.hidden.store.format import INFO_FILE, HiddenError, state_names
 from eagle3data.hidden.store.index import index_rows, scan_shards, write_index
 from eagle3data.hidden.verify.record import keep_verification
@@ -36,8 +37,10 @@ def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: 
     Each mix sample appears once (a sample found in two shards, e.g. after the world size
     changed mid-run, is indexed from the first shard by name and counted as a duplicate);
     shard samples no longer in the mix are left out and counted as stale. Raises
-    IncompleteError while samples are missing, unless `allow_partial`. A verification of the same
-    store is kept (module docstring).
+    IncompleteError while samples are missing, unless `allow_partial`, or unless each missing one is a sample a
+    worker failed (`failures.read_failures`) and they are at most `hidden.allow_failed_samples`: those leave the
+    mix (`failures.drop_failed`: drop reason `capture_failed`) and are named in `index.json` (`failed_samples`). A
+    verification of the same store is kept (module docstring).
     """
     hdir = hidden_dir(params)
     mix = mix or read_mix(hdir)
@@ -46,6 +49,14 @@ def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: 
     states = state_names(params.hidden.final_state)
     scan.check_kind(params.hidden.layout, states, hdir, params.hidden.codec())
     rows, missing, duplicates, stale = index_rows(scan, mix.samples)
+    accepted: list[dict[str, Any]] = []
+    if missing and not allow_partial:
+        failed = read_failures(hdir)
+        allow = params.hidden.allow_failed_samples
+        if allow and len(missing) <= allow and all(k in failed for k in missing):  # failed, and accepted: out of the mix
+            accepted = [{k: v for k, v in failed[k].items() if k != "file"} for k in missing]
+            mix = drop_failed(mix, accepted, hdir)
+            rows, missing, duplicates, stale = index_rows(scan, mix.samples)
     if missing and not allow_partial:
         raise IncompleteError(f"{len(missing)} of {len(mix.samples)} mix samples are not stored yet "
                               f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))
@@ -57,6 +68,7 @@ def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: 
     before = orjson.loads((hdir / INFO_FILE).read_bytes()) if (hdir / INFO_FILE).exists() else {}
     df = write_index(hdir, rows, scan, run, {
         "too_long": too_long, "missing": len(missing), "duplicates_not_indexed": duplicates,
-        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint")})
+        "stale_not_indexed": stale, "mix_fingerprint": mix.manifest.get("fingerprint"),
+        "failed_samples": accepted})
     keep_verification(hdir, before)
     return df

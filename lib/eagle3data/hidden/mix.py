@@ -31,7 +31,7 @@ from eagle3data.core.reader import RunFileError, RunView, Sample, SampleKey, rea
 from eagle3data.rebuild.proof import PROOF_RANK
 
 __all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "MixMissing", "build_mix", "hidden_dir",
-           "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]
+           "mix_figures", "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]
 
 MIX_FILE = "mix.parquet"
 MANIFEST_FILE = "mix_manifest.json"
@@ -53,6 +53,7 @@ DROP_REASONS = {
     "duplicate_ids": "the same input_ids as an earlier record (hidden.dedupe)",
     "over_cap": "beyond the dataset's cap (hidden.dataset_caps), chosen by the seeded shuffle",
     "over_weight": "beyond the dataset's share (hidden.dataset_weights), chosen by the seeded shuffle",
+    "capture_failed": "04 failed it after its retries, accepted by hidden.allow_failed_samples (store/failures.py)",
 }
 
 
@@ -352,9 +353,8 @@ def _name_seed(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
 
 
-def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, Any]], audited: bool,
-              records_read: int, shares: dict[str, Any] | None, max_context: int | None) -> dict[str, Any]:
-    hp = params.hidden
+def mix_figures(samples: list[Sample], dropped: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's counts of samples (per dataset, source) and drops (per reason), its fingerprint (`drop_failed`)."""
     per: dict[str, dict[str, Any]] = {}
     for s in samples:
         d = per.setdefault(s.dataset, {"samples": 0, "tokens": 0, "loss_tokens": 0, "by_source": {}})
@@ -368,15 +368,20 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
         src["ids_exact"] += int(s.ids_exact)
     drops: dict[str, dict[str, int]] = {}
     for d in dropped:
-        drops.setdefault(d["dataset"], {}).setdefault(d["reason"], 0)
-        drops[d["dataset"]][d["reason"]] += 1
-    keys = "\n".join(str(s.key) for s in samples).encode()
+        drops.setdefault(d["dataset"], {})[d["reason"]] = drops.get(d["dataset"], {}).get(d["reason"], 0) + 1
+    fingerprint = hashlib.blake2b("\n".join(str(s.key) for s in samples).encode(), digest_size=16).hexdigest()
+    return {"samples": len(samples), "tokens": sum(d["tokens"] for d in per.values()), "fingerprint": fingerprint,
+            "loss_tokens": sum(d["loss_tokens"] for d in per.values()), "datasets": per, "dropped_counts": drops,
+            "drop_reasons": {k: DROP_REASONS[k] for k in sorted({d["reason"] for d in dropped})}, "dropped": dropped}
+
+
+def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, Any]], audited: bool,
+              records_read: int, shares: dict[str, Any] | None, max_context: int | None) -> dict[str, Any]:
+    hp = params.hidden
+    c = mix_figures(samples, dropped)
     return {
         "records_read": records_read,
-        "samples": len(samples),
-        "tokens": sum(len(s.input_ids) for s in samples),
-        "loss_tokens": sum(int(sum(s.loss_mask)) for s in samples),
-        "fingerprint": hashlib.blake2b(keys, digest_size=16).hexdigest(),
+        **{k: c[k] for k in ("samples", "tokens", "loss_tokens", "fingerprint")},
         "audit_found": audited,
         "audit_applied": audited and not hp.include_failed,
         "audit_note": (
@@ -391,11 +396,9 @@ def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, 
                      "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
                      "dedupe": hp.dedupe, "max_context": max_context, "min_proof_level": hp.min_proof_level,
                      "train_turns": hp.train_turns},
-        "datasets": per,
+        "datasets": c["datasets"],
         "weights": shares,
-        "dropped_counts": drops,
-        "drop_reasons": {k: DROP_REASONS[k] for k in sorted({d["reason"] for d in dropped})},
-        "dropped": dropped,
+        **{k: c[k] for k in ("dropped_counts", "drop_reasons", "dropped")},
     }
 
 

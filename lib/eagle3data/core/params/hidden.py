@@ -132,6 +132,10 @@ class HiddenParams(Strict):
     disk_margin: float = Field(
         1.05, ge=1.0, description="Refuse to start unless free disk >= this x the estimated bytes still to write."
     )
+    allow_failed_samples: int = Field(
+        0, ge=0, description="Samples the capture may fail (after their retries) and 04 still merge: they leave the "
+                             "mix as `capture_failed`, named with their errors in index.json and the mix manifest, "
+                             "and 05 exports the rest. More failures than this: 04 fails (exit 1), nothing merged.")
     validate_after: bool = Field(True, description="Validate every stored sample once the index is merged.")
     verify_after: bool = Field(
         True, description="Verify the merged store (verify-hidden's checks: the target's head, norms, final kind; "

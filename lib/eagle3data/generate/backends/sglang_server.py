@@ -4,7 +4,8 @@
 Python (`make sglang`, `.sglang/`) running `-m sglang.launch_server` on the model folder, with the
 served name (params' model name), dtype, context length, tensor parallel size, the radix cache as the
 stage needs it (04: off, or the prefill rows of a prompt sharing a prefix with an earlier one are
-missing), plus what the stage adds (04: the hidden-states flags). Where `model.device` is `cpu` it adds
+missing), chunked prefill as the stage needs it (04: off, or a prompt split over chunks returns its last chunk's
+states only), plus what the stage adds (04: the hidden-states flags). Where `model.device` is `cpu` it adds
 what SGLang's CPU path needs (engines/README.md): `SGLANG_USE_CPU_ENGINE=1`, `--device cpu
 --attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph --grammar-backend none
 --skip-server-warmup` and a KV cache of `max_total_tokens` (8192 unless set: SGLang would size it from
@@ -25,6 +26,7 @@ LAUNCH = "sglang.launch_server"
 CPU_KV_TOKENS = 8192  # KV cache tokens on CPU when server.max_total_tokens is unset
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--disable-cuda-graph", "--grammar-backend", "none", "--skip-server-warmup"]
+CHUNKED_PREFILL_OFF = ["--chunked-prefill-size", "-1"]  # 04's servers: one forward per prompt (sglang_capture.py)
 SCHEDULER_DIED = ("Scheduler hit an exception", "SIGQUIT received")  # log lines of a server that will never answer
 
 
@@ -35,8 +37,10 @@ def sglang_python(s: Any) -> str:
 
 
 def sglang_command(params: RunParams, s: Any, *, stage: str, radix_cache: bool | None = None,
-                   extra_args: list[str] | None = None) -> EngineCommand:
-    """The exact command that serves params' model with `s.server`'s settings (plus a stage's own flags)."""
+                   chunked_prefill: bool = True, extra_args: list[str] | None = None) -> EngineCommand:
+    """The exact command that serves params' model with `s.server`'s settings (plus a stage's own flags);
+    `chunked_prefill=False` (04) adds `--chunked-prefill-size -1`: a chunked prompt's hidden states come back for
+    its last chunk only."""
     srv, m = s.server, params.model
     port = srv.port or free_port(srv.host)
     argv = [sglang_python(s), "-m", LAUNCH, "--model-path", model_dir(params), "--served-model-name", m.name,
@@ -58,6 +62,10 @@ def sglang_command(params: RunParams, s: Any, *, stage: str, radix_cache: bool |
         argv += ["--max-total-tokens", str(kv)]
     if srv.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", f"{srv.mem_fraction_static:g}"]
+    if not chunked_prefill:
+        argv += CHUNKED_PREFILL_OFF
+        if cpu and kv:  # without chunks SGLang reserves max_prefill_tokens (16384) x 1.5 MB of activations out of the
+            argv += ["--max-prefill-tokens", str(kv)]  # machine's memory (23 GB here: none left); a batch <= the pool
     if not (srv.radix_cache if radix_cache is None else radix_cache):
         argv.append("--disable-radix-cache")
     argv += [*(extra_args or []), *srv.extra_args]

@@ -47,6 +47,8 @@ from eagle3data.generate.backends.sglang import SGLangBackend
 from eagle3data.generate.backends.sglang_server import SGLangServer, sglang_command
 from eagle3data.generate.ledger import DatasetLedger, write_ledger
 from eagle3data.generate.run import run_engine
+from eagle3data.hidden.engines.liveness import WatchedEngine, engine_died, server_death
+from eagle3data.hidden.engines.settings import chunked_prefill_problem
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import AUX_NAMES, HiddenError, state_names
 
@@ -87,14 +89,14 @@ def aux_command(params: RunParams, layers: AuxLayers, config: Any, stage: str = 
     """The aux pass's server command (also printed by `--print-engine-command`); `stage` names its log
     (`<run>/engine/sglang_<stage>.log`: verify-hidden's recompute launches its own)."""
     ids = [str(x) for x in sglang_layer_ids(layers, config)]
-    return sglang_command(params, params.hidden.sglang, stage=stage, radix_cache=False,
+    return sglang_command(params, params.hidden.sglang, stage=stage, radix_cache=False, chunked_prefill=False,
                           extra_args=["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                                       "--return-aux-hidden-state-layer-ids", *ids])
 
 
 def final_command(params: RunParams, stage: str = "hidden_final"):
     """The final pass's server command (`stage`: as `aux_command`'s)."""
-    return sglang_command(params, params.hidden.sglang, stage=stage, radix_cache=False,
+    return sglang_command(params, params.hidden.sglang, stage=stage, radix_cache=False, chunked_prefill=False,
                           extra_args=["--enable-return-hidden-states"])
 
 
@@ -137,15 +139,16 @@ class StatesBackend(SGLangBackend):
 
     section = "hidden.sglang"
 
-    def __init__(self, params: RunParams, kind: str, layer_ids: list[int] | None):
+    def __init__(self, params: RunParams, kind: str, layer_ids: list[int] | None, longest: int = 0):
         super().__init__(params, get_profile(params.profile), None, settings=params.hidden.sglang)
-        self.kind, self.layer_ids = kind, layer_ids
+        self.kind, self.layer_ids, self.longest = kind, layer_ids, longest
         self.sampling_params = {"max_new_tokens": 1, "temperature": 0.0}
         self.sampling = {"max_new_tokens": 1, "temperature": 0.0}
 
     async def preflight(self, client: Any) -> dict[str, Any]:
         """01's checks (health, the params' model), then the pass's server settings from `/get_server_info`: radix
-        cache off; aux: aux capture with our layer ids; final: full hidden states, no aux capture."""
+        cache off, chunked prefill off (`chunked_prefill_problem`); aux: aux capture with our layer ids; final: full
+        hidden states, no aux capture. Before the first sample: a server that would cut states is refused."""
         out = await super().preflight(client)
         base = str(client.base_url)
         try:
@@ -161,6 +164,9 @@ class StatesBackend(SGLangBackend):
         if not info.get("disable_radix_cache"):
             raise GenerateError(f"SGLang server {base} runs with the radix cache on: a cached prefix leaves its rows out "
                                 f"of the hidden states; start {want} server with --disable-radix-cache")
+        chunked = chunked_prefill_problem(info, self.longest, self.params.hidden.sglang.concurrency)
+        if chunked:
+            raise GenerateError(f"SGLang server {base} {chunked}")
         if self.kind == "aux" and (not aux or list(info.get("return_aux_hidden_state_layer_ids") or []) != self.layer_ids):
             raise GenerateError(f"SGLang server {base} captures aux layers "
                                 f"{info.get('return_aux_hidden_state_layer_ids') if aux else 'none'}, not {self.layer_ids}: "
@@ -220,20 +226,24 @@ def read_staged(path: Path, ids: Sequence[int], hidden_size: int) -> Any:
 # ---------------------------------------------------------------------------- one pass
 
 
-class PassEngine(Engine):
-    """01's engine with one pass's ending: each reply decoded (off the loop), checked, and staged or stored."""
+class PassEngine(WatchedEngine, Engine):
+    """01's engine with one pass's ending: each reply decoded (off the loop), checked, and staged or stored; a
+    server 04 launched (`server`) is watched (`liveness.WatchedEngine`)."""
 
     def __init__(self, params: RunParams, jobs: list[Job], *, kind: str, base_url: str, hidden_size: int,
-                 store_dtype: Any, layer_ids: list[int] | None = None, writer: Any = None, progress: bool):
+                 store_dtype: Any, layer_ids: list[int] | None = None, writer: Any = None, progress: bool,
+                 server: Any = None):
         s, hp = params.hidden.sglang, params.hidden
         settings = EngineSettings(concurrency=s.concurrency, timeout_s=s.timeout_s, max_retries=s.max_retries,
                                   stop_grace_s=params.generate.stop_grace_s, ledger_interval_s=1.0)
         ledger = {d: DatasetLedger() for d in dict.fromkeys(j.dataset for j in jobs)}
         for j in jobs:
             ledger[j.dataset].planned += 1
-        super().__init__(StatesBackend(params, kind, layer_ids), jobs, base_url=base_url, settings=settings, ledger=ledger,
+        backend = StatesBackend(params, kind, layer_ids, longest=max((len(j.prompt_ids) for j in jobs), default=0))
+        super().__init__(backend, jobs, base_url=base_url, settings=settings, ledger=ledger,
                          journal_dir=hidden_dir(params), run_dir=params.run_dir, done_keys=set(), budgets={},
                          progress=False)
+        self.server = server
         self.progress = Progress(progress, run_dir=params.run_dir, stage=STAGE)
         self.kind, self.hidden_size, self.store_dtype, self.writer = kind, hidden_size, store_dtype, writer
         self.width = 3 * hidden_size if kind == "aux" else hidden_size
@@ -302,17 +312,34 @@ class PassEngine(Engine):
 
 @contextlib.contextmanager
 def _server(params: RunParams, cmd: Any, url: str | None, progress: bool):
-    """The pass's server: the given URL, or (`launch`) one started for the pass and stopped after it."""
+    """The pass's server as (URL, the launched server or None): the given URL, or (`launch`) one started for the
+    pass and stopped after it (its whole process group, also when it died)."""
     if not params.hidden.sglang.launch:
-        yield str(url)
+        yield str(url), None
         return
     with SGLangServer(cmd, progress=progress) as srv:
-        yield srv.base_url
+        yield srv.base_url, srv
+
+
+def _run_pass(eng: PassEngine, srv: Any, what: str, stored: Any) -> Any:
+    """Run one pass's engine; EngineDied when the server 04 launched for it died (`stored()`: samples stored)."""
+    try:
+        res = run_engine(eng)
+    except GenerateError:
+        eng.died = server_death(srv) if srv is not None else None
+        if eng.died is None:
+            raise
+        res = None
+    if eng.died:
+        raise engine_died(srv, eng.died, stored(), sum(v.planned for v in eng.ledger.values()), what)
+    return res
 
 
 def capture_sglang(params: RunParams, todo: list[tuple[int, Any]], writer: Any, stats: dict[str, Any], *,
-                   layers: AuxLayers, config: Any, progress: bool = True) -> None:
-    """Extract `todo` through SGLang in two passes (aux, then final); fill `stats` as the HF loop does."""
+                   layers: AuxLayers, config: Any, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Extract `todo` through SGLang in two passes (aux, then final); fill `stats` as the HF loop does; return the
+    samples that failed after their retries and the pass ledgers that hold them. A launched server that dies
+    under a pass: EngineDied (what was staged or stored is kept)."""
     import torch
 
     hp, s = params.hidden, params.hidden.sglang
@@ -334,10 +361,10 @@ def capture_sglang(params: RunParams, todo: list[tuple[int, Any]], writer: Any, 
     fails: list[dict[str, Any]] = []
     stop_reason = None
     if aux_jobs:
-        with _server(params, aux_command(params, layers, config), s.base_url, progress) as url:
+        with _server(params, aux_command(params, layers, config), s.base_url, progress) as (url, srv):
             eng = PassEngine(params, aux_jobs, kind="aux", base_url=url, hidden_size=hsize, store_dtype=dtype,
-                             layer_ids=sglang_layer_ids(layers, config), progress=progress)
-            res = run_engine(eng)
+                             layer_ids=sglang_layer_ids(layers, config), progress=progress, server=srv)
+            res = _run_pass(eng, srv, " (aux pass; staged aux states kept)", lambda: 0)
         cpu += res.cpu_s
         fails += eng.failures
         stop_reason = res.stop_reason
@@ -345,11 +372,11 @@ def capture_sglang(params: RunParams, todo: list[tuple[int, Any]], writer: Any, 
     final_jobs = [j for j in jobs if staging_file(folder, j.key).exists()] if not stop_reason else []
     stored: list[Any] = []
     if final_jobs:
-        with _server(params, final_command(params), s.final_url, progress) as url:
+        with _server(params, final_command(params), s.final_url, progress) as (url, srv):
             eng = PassEngine(params, final_jobs, kind="final", base_url=url, hidden_size=hsize, store_dtype=dtype,
-                             writer=writer, progress=progress)
+                             writer=writer, progress=progress, server=srv)
             try:
-                res = run_engine(eng)
+                res = _run_pass(eng, srv, " (final pass)", lambda: len(eng.stored_keys))
             finally:
                 writer.flush()  # the shard in progress is written, stopped or not
         cpu += res.cpu_s
@@ -367,3 +394,6 @@ def capture_sglang(params: RunParams, todo: list[tuple[int, Any]], writer: Any, 
                  engine_cpu_s=round(cpu, 3), staged_aux=len(list(folder.glob("*.safetensors"))))
     if stop_reason:
         stats.update(stopped_early=True, stop_reason=stop_reason)
+    hdir = hidden_dir(params)
+    return fails, [str(hdir / f"sglang_{k}_ledger.json") for k in ("aux", "final")
+                   if any(f.get("pass") == k for f in fails)]

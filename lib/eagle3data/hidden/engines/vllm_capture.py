@@ -39,12 +39,14 @@ from eagle3data.core.progress import Progress, capture_line
 from eagle3data.core.reader import Sample
 from eagle3data.core.models import text_config
 from eagle3data.hidden.norms import known_norm_kind, norm_eps, read_final_norm, rms_norm
-from eagle3data.generate.backends.engine import Engine, EngineSettings, Job, record_dict
+from eagle3data.generate.backends.engine import Engine, EngineSettings, GenerateError, Job, record_dict
 from eagle3data.generate.backends.retries import ResponseError
 from eagle3data.generate.backends.vllm import VLLMBackend, completion_choices
 from eagle3data.generate.backends.vllm_server import EngineCommand, VLLMServer, model_dir, server_command
 from eagle3data.generate.ledger import DatasetLedger, write_ledger
 from eagle3data.generate.run import run_engine
+from eagle3data.hidden.engines.liveness import WatchedEngine, engine_died, server_death
+from eagle3data.hidden.engines.settings import PREFIX_CACHING_OFF, cache_config_info, settings_problem
 from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import AUX_NAMES, HiddenError, state_names
 
@@ -84,7 +86,8 @@ def hidden_command(params: RunParams, layers: AuxLayers) -> EngineCommand:
                           "kv_connector_extra_config": {"shared_storage_path": str(files_dir(params))}}
     if connector == "cpu":
         kv.update(kv_connector=CPU_CONNECTOR[0], kv_connector_module_path=CPU_CONNECTOR[1])
-    args = ["--speculative-config", orjson.dumps(spec).decode(), "--kv-transfer-config", orjson.dumps(kv).decode()]
+    args = ["--speculative-config", orjson.dumps(spec).decode(), "--kv-transfer-config", orjson.dumps(kv).decode(),
+            PREFIX_CACHING_OFF]
     return server_command(params, v, stage="hidden", extra_args=args,
                           extra_env_path=[str(CONNECTOR_DIR)] if connector == "cpu" else None)
 
@@ -272,10 +275,29 @@ class HiddenBackend(VLLMBackend):
     source = "vllm"
     section = "hidden.vllm"
 
-    def __init__(self, params: RunParams):
+    def __init__(self, params: RunParams, *, longest: int = 0, launched: bool = False):
         super().__init__(params, get_profile(params.profile), None, settings=params.hidden.vllm)
         self.base = {"max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
         self.sampling = {"max_new_tokens": 1, "temperature": 0.0}
+        self.longest, self.launched = longest, launched
+
+    async def preflight(self, client: Any) -> dict[str, Any]:
+        """01's checks (the server lists the params' model), then what would cut or alter the states, before the
+        first sample: a context shorter than the mix's longest sample, and prefix caching on (`/metrics`' cache
+        config, `settings_problem`). A server that does not publish its cache config is taken on the file checks
+        alone (each file must hold one row per id sent) unless 04 launched it."""
+        out = await super().preflight(client)
+        base = str(client.base_url)
+        try:
+            r = await client.get(str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics")
+            text = r.text if r.status_code == 200 else ""
+        except Exception:  # noqa: BLE001 - no metrics: judged below
+            text = ""
+        cache = cache_config_info(text)
+        why = settings_problem(cache, out.get("server_max_model_len"), self.longest, launched=self.launched)
+        if why:
+            raise GenerateError(f"vLLM server {base}: {why}")
+        return {**out, "server_prefix_caching": None if cache is None else cache.get("enable_prefix_caching")}
 
     def parse(self, jobs: Sequence[Job], body: bytes, latency_s: float) -> list[dict[str, Any]]:
         obj, choices = completion_choices(body, 1)
@@ -296,21 +318,26 @@ class HiddenBackend(VLLMBackend):
                                                             "completion_tokens": 0})]
 
 
-class HiddenEngine(Engine):
-    """01's engine with 04's ending: each reply's file read after its lock, checked, and given to the writer."""
+class HiddenEngine(WatchedEngine, Engine):
+    """01's engine with 04's ending: each reply's file read after its lock, checked, and given to the writer; a
+    server 04 launched (`server`) is watched (`liveness.WatchedEngine`)."""
 
     def __init__(self, params: RunParams, jobs: list[Job], *, base_url: str, writer: Any, hidden_size: int,
-                 norm: Any, done_keys: set, progress: bool):
+                 norm: Any, done_keys: set, progress: bool, server: Any = None):
         v, hp = params.hidden.vllm, params.hidden
         settings = EngineSettings(concurrency=v.concurrency, timeout_s=v.timeout_s, max_retries=v.max_retries,
                                   stop_grace_s=params.generate.stop_grace_s, ledger_interval_s=1.0)
         ledger = {d: DatasetLedger() for d in dict.fromkeys(j.dataset for j in jobs)}
         for j in jobs:
             ledger[j.dataset].planned += 1
-        super().__init__(HiddenBackend(params), jobs, base_url=base_url, settings=settings, ledger=ledger,
+        backend = HiddenBackend(params, longest=max((len(j.prompt_ids) for j in jobs), default=0),
+                                launched=server is not None)
+        super().__init__(backend, jobs, base_url=base_url, settings=settings, ledger=ledger,
                          journal_dir=hidden_dir(params), run_dir=params.run_dir, done_keys=done_keys,
                          budgets={}, progress=False)  # 04's own line below, not 01's
         import torch
+
+        self.server = server
 
         self.progress = Progress(progress, run_dir=params.run_dir, stage=STAGE)
         self.hdir = hidden_dir(params)
@@ -374,25 +401,35 @@ class HiddenEngine(Engine):
 
 
 def capture_vllm(params: RunParams, todo: list[tuple[int, Sample]], writer: Any, stats: dict[str, Any], *,
-                 layers: AuxLayers, config: Any, progress: bool = True) -> None:
-    """Extract `todo` through a vLLM server (started here with `launch`); fill `stats` as the HF loop does."""
+                 layers: AuxLayers, config: Any, progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Extract `todo` through a vLLM server (started here with `launch`); fill `stats` as the HF loop does; return
+    the samples that failed after their retries and the ledger that holds them. A launched server that dies under
+    the capture: EngineDied (what came back is stored)."""
     hp = params.hidden
     norm = final_norm(params, config) if "post_norm" in state_names(hp.final_state) else None
     jobs = [Job(s.dataset, s.sample_id, [], None, list(s.input_ids), turn=s.turn, prompt=(pos, s)) for pos, s in todo]
     with run_lease(params, progress) as lease:
         base_url = lease.base_url(layers)
         engine = HiddenEngine(params, jobs, base_url=base_url, writer=writer, hidden_size=stats["hidden_size"],
-                              norm=norm, done_keys=set(), progress=progress)
+                              norm=norm, done_keys=set(), progress=progress, server=lease.server)
 
         t0 = time.perf_counter()
         try:
             res = run_engine(engine)
+        except GenerateError:
+            why = server_death(lease.server) if lease.server is not None else None
+            if why is None:
+                raise
+            engine.died = why  # it died before the first sample (its preflight found no server)
         finally:
             writer.flush()  # the shard in progress is written, stopped or not
         stats["seconds"] = round(time.perf_counter() - t0, 3)
+        if engine.died:
+            raise engine_died(lease.server, engine.died, engine.extracted, len(jobs))
     stats.update(extracted=engine.extracted, tokens=engine.tokens, computed_tokens=engine.tokens,
                  padded_tokens=engine.tokens, shards_written=len(writer.written), failed=len(engine.failures),
                  failures=engine.failures[:50], backend="vllm", engine_cpu_s=round(res.cpu_s, 3),
                  server=base_url)
     if res.stop_reason:
         stats.update(stopped_early=True, stop_reason=res.stop_reason)
+    return engine.failures, [str(hidden_dir(params) / "vllm_ledger.json")]

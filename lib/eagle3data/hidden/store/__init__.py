@@ -23,5 +23,7 @@ description, the store's errors), `checksum` (a file's content checksum, the wri
 `writer` (shards or a trainer's per-sample files), `index` (the
 finished files found on disk, the one index of the mix), `reader` (`HiddenReader`: a sample by key
 or row whatever the layout, or the whole store streamed), `validation` (`validate_store`: every
-sample re-read against the run's records, through the one reader).
+sample re-read against the run's records, through the one reader), `failures` (the samples a worker failed:
+`failed_samples.json`, a failed stage or, up to `hidden.allow_failed_samples`, left out of the mix at the merge;
+05's refusal of a store 04 did not merge).
 """

@@ -107,7 +107,7 @@ class SGLangRecompute:
         where = f"launched server {cmd.base_url}" if s.launch else f"server {given}"
         what = f"recompute via SGLang, {kind} pass ({where})"
         try:
-            with _server(p, cmd, given, progress=False) as url:
+            with _server(p, cmd, given, progress=False) as (url, _launched):
                 eng = RecomputePass(p, jobs, folder=self.folder, kind=kind, base_url=url, hidden_size=self.hidden_size,
                                     store_dtype=self.dtype, writer=writer,
                                     layer_ids=sglang_layer_ids(self.layers, self.config) if kind == "aux" else None)
