@@ -104,6 +104,12 @@ def test_a_failed_sample_fails_04_and_05_then_allowed_or_retried(ci_run, tmp_pat
     assert main(["export", str(p.run_dir), "--format", "speculators", "--out", str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "index.parquet is missing: 04 did not merge" in err and not (tmp_path / "out2").exists()
+    # `eagle3data run --only 05` refuses it in its preflight (exit 2, one line) before any notebook starts
+    from eagle3data.preflight import ready_problems
+
+    (problem,) = ready_problems(p, ["05_export"])
+    assert problem.startswith("export.formats: ") and "04 did not merge the hidden states" in problem
+    assert ready_problems(p, ["04_extract_hidden", "05_export"]) == []  # 04 in the same run may merge it first
 
     # hidden.allow_failed_samples 1: merged without it, named in index.json, the mix manifest and 05's manifest
     p1 = hf_params(tmp_path, **{"hidden.allow_failed_samples": 1})

@@ -8,6 +8,7 @@ from typing import Any
 
 from eagle3data.core.models import EMBEDDED_PREFIX, TOKENIZER_SOURCES, _load_plugins
 from eagle3data.core.params import ParamsError
+from eagle3data.hidden.store.failures import StatesNotMerged, require_merged_states
 from eagle3data.prompts.load import check_dataset_files
 
 
@@ -28,8 +29,10 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
     every prompt dataset for 01 (`prompts.check_dataset_files`: UTF-8 JSON text or what its name
     says, a `.json` array not cut off, its first rows of its format and not all rejected, a
     folder's config picked; every bad dataset named, one line each), and, for the `openai`
-    backend in 01, the environment variable that holds the API key. (A head-position cap 04's own
-    verification cannot judge at is a params error: `core/params/hidden.positions_problem`.)
+    backend in 01, the environment variable that holds the API key, and, for 05 run without 04, that a
+    format needing 04's states has a merged store (`require_merged_states`: 04 stopped or failed its samples).
+    (A head-position cap 04's own verification cannot judge at is a params error:
+    `core/params/hidden.positions_problem`.)
     """
     problems: list[str] = []
     m = params.model
@@ -52,4 +55,11 @@ def ready_problems(params: Any, stages: list[str]) -> list[str]:
         if not os.environ.get(env, "").strip():
             problems.append(f"generate.openai.api_key_env: environment variable {env} is not set "
                             f"(export {env}=<key>; the key is never a param)")
+    if "05_export" in stages and "04_extract_hidden" not in stages:
+        for fmt in params.export.formats:
+            try:
+                require_merged_states(params, fmt)
+            except StatesNotMerged as e:
+                problems.append(f"export.formats: {e}")
+                break  # one store, one line
     return problems
