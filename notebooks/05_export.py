@@ -26,10 +26,13 @@
 # `provenance/05_export.json`.
 # **Parameters:** `params_file` (a YAML under `params/`), `overrides` (dotted keys, as
 # `-p key value` on the CLI); the stage's own keys live under `export:` (`draft_vocab_size`,
-# `formats`). See `docs/05_export.md` for the command each trainer runs.
+# `formats`: also `speculators_online` / `specforge_online`, ids and masks for trainers that compute the states as they
+# train, no 04 store needed). Every manifest counts for how many rows a text-only trainer's tokenization reproduces
+# our ids. See `docs/05_export.md` for the command each trainer runs.
 
 # %%
 from eagle3data.export.run import run_export
+from eagle3data.export.text_drift import drift_line
 from eagle3data.core.params import load_params, params_for_display
 from eagle3data.audit.report import export_banners
 
@@ -48,6 +51,7 @@ params_for_display(P)["export"]
 # %%
 result = run_export(P)
 print("written to", result.out_dir)
+print(drift_line(result.manifests[next(iter(result.manifests))]["text_trainers"]))  # the text trainers' rule
 export_banners(result)  # an unaudited export, failed records let in, or nothing exported
 
 # %% [markdown]
@@ -90,5 +94,7 @@ figures = {
     "draft_vocab_size": len(result.vocab.d2t),
     "draft_vocab_coverage": round(result.vocab.coverage, 6),
     "draft_vocab_filled": result.vocab.filled,
+    "text_trainers_reproduced": first["text_trainers"].get("reproduced"),  # of the rows: chat template as text, encoded
+    "text_trainers_rows": first["text_trainers"].get("rows"),
 }
 figures

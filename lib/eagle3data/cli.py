@@ -438,8 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="export a run for a drafter trainer")
     e.add_argument("run", help="run folder, e.g. outputs/embedded")
-    e.add_argument("--format", required=True, choices=["specforge", "speculators"])
-    e.add_argument("--out", required=True, help="output folder")
+    e.add_argument("--format", required=True, action="append",
+                   choices=["specforge", "speculators", "speculators_online", "specforge_online"],
+                   help="the hand-off (repeatable): offline (with 04's states) or *_online (ids and masks only)")
+    e.add_argument("--out", help="the format's folder (default <run>/export/<format>); with several --format, the "
+                                 "folder holding one per format (default <run>/export)")
     e.set_defaults(func=cmd_export)
 
     v = sub.add_parser("value", help="stage 06: train a draft on the run's hand-off and measure its acceptance "

@@ -138,7 +138,10 @@ def _export_line(manifests: dict[str, dict[str, Any]]) -> str:
              for fmt, m in manifests.items()]
     sel = next(iter(manifests.values())).get("selection") or {}
     hv = sel.get("hidden_verification")
-    return "; ".join(parts) + (f" (states: verify-hidden {html.escape(str(hv))})" if hv else "")
+    tt = next((m["text_trainers"] for m in manifests.values() if isinstance(m.get("text_trainers"), dict)), None)
+    text = (f"; text-only trainers (chat template as text, re-encoded) reproduce our ids for {tt['reproduced']:,} of "
+            f"{tt['rows']:,} rows" if tt and tt.get("reproduced") is not None else "")
+    return "; ".join(parts) + (f" (states: verify-hidden {html.escape(str(hv))})" if hv else "") + text
 
 
 def _value_line(value: dict[str, Any]) -> str:

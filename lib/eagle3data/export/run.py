@@ -34,10 +34,13 @@ from eagle3data.core.models import context_limit
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
+from eagle3data.hidden.store.failures import require_merged_states
 from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE
+from eagle3data.core.params.export import ONLINE_FORMATS
+from eagle3data.export import online, text_drift
 
-FORMATS: tuple[str, ...] = tuple(TRAINERS)
+FORMATS: tuple[str, ...] = (*TRAINERS, *ONLINE_FORMATS)  # offline hand-offs (a trainer each), then the online ones
 META_FIELDS = ("dataset", "sample_id", "turn", "source", "ids_exact", "finish_reason")
 
 
@@ -227,30 +230,42 @@ _TOKEN_FILES = {
 
 
 def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, counts: np.ndarray,
-           vocab: DraftVocab, params: Any = None) -> dict[str, Any]:
+           vocab: DraftVocab, params: Any = None, drift: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write one trainer format of the selection plus its draft vocabulary into `out`; returns the manifest.
 
     `counts` and `vocab` are the selection's output-token counts and draft vocabulary,
     computed once for every format (`run_export`). With `params` and 04's stored hidden states,
     the trainer's own layout is written too (`handoff.write_handoff`: hardlinked when
-    `hidden.layout` is this trainer's, else converted with a disk check).
+    `hidden.layout` is this trainer's, else converted with a disk check). An online format
+    (`online.py`) needs `params` and no store. `drift`: the text trainers' count (`text_drift`),
+    measured here when None and params are given.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    require_merged_states(params, fmt)  # 04 planned a mix and merged no index: refused before anything is written
     run_dir, out = Path(run_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if drift is None and params is not None:
+        drift = text_drift.measure(params, sel.samples)
     files: dict[str, str] = {}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     files["draft_vocab.safetensors"] = "d2t int64 [draft_vocab] (target_id = draft_id + d2t), t2d bool [target_vocab]"
-    trainer = get_trainer(fmt)
-    for name in trainer.export_files:  # the token files this trainer takes, then its draft vocabulary
-        write, holds = _TOKEN_FILES[name]
-        write(out / name, sel.samples)
-        files[name] = holds
-    files.update(trainer.write_export_vocab(out, vocab.d2t, vocab.t2d, counts))
     handoff: dict[str, Any] | str = "not written: no params given"
-    if params is not None:
-        handoff = _handoff(params, sel, out, fmt, vocab)
+    if fmt in ONLINE_FORMATS:
+        if params is None:
+            raise ExportError(f"format {fmt}: an online hand-off needs the run's params")
+        more, handoff = online.write_online(params, sel.samples, out, fmt, vocab, counts, drift or {},
+                                            _TOKEN_FILES["conversations.jsonl"][0])
+        files.update(more)
+    else:
+        trainer = get_trainer(fmt)
+        for name in trainer.export_files:  # the token files this trainer takes, then its draft vocabulary
+            write, holds = _TOKEN_FILES[name]
+            write(out / name, sel.samples)
+            files[name] = holds
+        files.update(trainer.write_export_vocab(out, vocab.d2t, vocab.t2d, counts))
+        if params is not None:
+            handoff = _handoff(params, sel, out, fmt, vocab)
     manifest = {
         "format": fmt,
         "run_dir": str(run_dir),
@@ -271,7 +286,9 @@ def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, count
         "files": files,
         "handoff": handoff if isinstance(handoff, str) else {k: handoff[k] for k in (
             "plan", "linked_files", "converted_files", "converted_bytes", "rows", "final_state", "store_layout",
-            "files", "specforge_target") if k in handoff},
+            "files", "specforge_target", "made_by", "max_length", "window", "layers", "train_command")
+            if k in handoff and not (k == "files" and fmt in ONLINE_FORMATS)},  # online: its files are the manifest's
+        "text_trainers": drift if drift is not None else "not measured: no params given",
     }
     (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
@@ -371,33 +388,58 @@ def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
     formats = list(formats if formats is not None else params.export.formats)
-    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params)
+    drift = text_drift.measure(params, sel.samples)  # once: a property of the mix, in every format's manifest
+    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params, drift)
                  for fmt in formats}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
     return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
 
 
-def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
-    """Export 04's mix of a run in one format into `out` (what `eagle3data export` does); returns the manifest."""
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+def export_formats(params: Any, outs: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
+    """Export 04's mix of a run in each format into its folder (`{format: folder}`, what `eagle3data export` does):
+    the mix read, the draft vocabulary and the text trainers' count made once; returns the manifests."""
+    bad = [f for f in outs if f not in FORMATS]
+    if bad:
+        raise ExportError(f"unknown export format {bad[0]!r}; formats: {', '.join(FORMATS)}")
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
-    return export(params.run_dir, out, fmt, sel, counts, vocab, params)
+    drift = text_drift.measure(params, sel.samples)
+    return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift) for fmt, out in outs.items()}
 
 
-def export_cli(run: str, *, fmt: str, out: str) -> int:
-    """`python -m eagle3data export RUN --format specforge|speculators --out DIR`."""
+def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
+    """Export 04's mix of a run in one format into `out`; returns the manifest (`export_formats` of one)."""
+    return export_formats(params, {fmt: out})[fmt]
+
+
+def export_cli(run: str, *, fmt: str | list[str], out: str | None = None) -> int:
+    """`python -m eagle3data export RUN --format F [--format G ...] [--out DIR]`.
+
+    One format: `--out` is its folder (default `<run>/export/<format>`). Several: each goes into
+    `<out>/<format>/` (default `<run>/export/`)."""
     run_dir = Path(run)
-    m = export_format(params_of_run(run_dir), out, fmt)  # bad input raises: cli.main says it in one line
+    fmts = [fmt] if isinstance(fmt, str) else list(dict.fromkeys(fmt))
+    if len(fmts) == 1:
+        outs = {fmts[0]: Path(out) if out else run_dir / "export" / fmts[0]}
+    else:
+        outs = {f: Path(out or run_dir / "export") / f for f in fmts}
+    params = params_of_run(run_dir)  # bad input raises: cli.main says it in one line
+    manifests = ({fmts[0]: export_format(params, outs[fmts[0]], fmts[0])} if len(fmts) == 1
+                 else export_formats(params, outs))
+    m = manifests[fmts[0]]
     skipped = ", ".join(f"{k} {v}" for k, v in m["skipped"].items()) or "none"
     print(f"exported {m['exported']} samples ({m['ids_exact']} exact ids, {m['ids_rebuilt']} rebuilt), "
-          f"{m['output_tokens']} output tokens -> {out}")
+          f"{m['output_tokens']} output tokens -> {', '.join(str(o) for o in outs.values())}")
     print(f"skipped: {skipped}")
     if m["selection"]["hidden_verification"] not in ("passed", "no hidden states"):
         print(f"hidden states: {m['selection']['hidden_verification']}")
     dv = m["draft_vocab"]
     print(f"draft vocab {dv['draft_vocab_size']} of {dv['target_vocab_size']}: coverage {dv['coverage']:.2%}"
           + (f" ({dv['filled']} ids filled: fewer distinct output tokens than the size)" if dv["filled"] else ""))
+    for f, mf in manifests.items():
+        if isinstance(mf.get("handoff"), dict) and "window" in mf["handoff"]:
+            print(online.window_line(f, mf["handoff"]["window"]))
+    if isinstance(m.get("text_trainers"), dict):
+        print(text_drift.drift_line(m["text_trainers"]))
     return 0

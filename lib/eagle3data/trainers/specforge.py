@@ -116,7 +116,7 @@ class SpecForge(Trainer):
         files = {VOCAB_FILE: "{d2t int64 (target = draft + d2t), t2d bool}: model.vocab_mapping_path",
                  FEATURES + "/": ("one torch file per row: input_ids, loss_mask int64 [n], hidden_state [1,n,H] "
                                   "post-norm, aux_hidden_state [1,n,3H]: data.hidden_states_path")}
-        target = _write_config(params, model_dir(), out, max(len(s.input_ids) for s in samples) if samples else 1,
+        target = write_config(params, model_dir(), out, max(len(s.input_ids) for s in samples) if samples else 1,
                                int(len(d2t)))
         files[CONFIG_FILE] = ("a config for `specforge train -c specforge.yaml`, run from this folder: its paths are "
                               "relative (edit training settings)")
@@ -142,12 +142,15 @@ def save_vocab_mapping(path: Path, d2t: Any, t2d: Any) -> None:
     torch.save({"d2t": torch.from_numpy(d2t.copy()), "t2d": torch.from_numpy(t2d.copy())}, path)
 
 
-def _write_config(params: Any, model_dir: Path | None, out: Path, longest: int,
-                  draft_vocab_size: int) -> dict[str, Any]:
+def write_config(params: Any, model_dir: Path | None, out: Path, longest: int, draft_vocab_size: int, *,
+                 data: dict[str, Any] | None = None, model_extra: dict[str, Any] | None = None,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """`specforge.yaml`: offline EAGLE-3 training on these features with this vocabulary (SpecForge 0.2.0 schema).
 
     `model_dir`: the target's folder (None: not on this machine). Returns what the config says
-    about the target (`specforge_target` in the manifest).
+    about the target (`specforge_target` in the manifest). `data`, `model_extra`, `extra`: the
+    online hand-off's data section (`prompts_path`), model keys and top-level sections (`deployment`)
+    in place of the offline features (`export/online.py`).
     """
     import yaml
 
@@ -177,10 +180,12 @@ def _write_config(params: Any, model_dir: Path | None, out: Path, longest: int,
         model["draft_model_config"] = target["draft_config"]
     model.update({"embedding_key": target["embedding_key"], "lm_head_key": target["lm_head_key"],
                   "vocab_mapping_path": VOCAB_FILE, "trust_remote_code": trust})
+    model.update(model_extra or {})
     cfg = {  # relative to this folder, where `specforge train` runs (module docstring)
         "model": model,
-        "data": {"hidden_states_path": FEATURES, "max_length": int(longest)},
+        "data": data or {"hidden_states_path": FEATURES, "max_length": int(longest)},
         "training": {"strategy": "eagle3"},
+        **(extra or {}),
         "output_dir": "train_output",
     }
     header = CONFIG_HEADER.format(model=f"exported with {model_dir}" if model_dir is not None else

@@ -118,7 +118,7 @@ class Speculators(Trainer):
                             model_dir: Callable[[], Path | None]) -> tuple[dict[str, str], dict[str, Any]]:
         import numpy as np
 
-        _write_dataset(samples, out)
+        write_dataset(samples, out)
         n = len(d2t)
         np.save(out / f"d2t-{n}.npy", np.ascontiguousarray(d2t, dtype=np.int64))
         np.save(out / f"t2d-{n}.npy", np.ascontiguousarray(t2d, dtype=bool))
@@ -129,7 +129,7 @@ class Speculators(Trainer):
         return files, {}
 
 
-def _write_dataset(samples: Sequence[Any], out: Path) -> None:
+def write_dataset(samples: Sequence[Any], out: Path) -> None:
     """The `datasets` folder speculators' ArrowDataset loads: input_ids, loss_mask, seq_len in torch format."""
     from datasets import Dataset, Features, Sequence as Seq, Value
 

@@ -7,10 +7,19 @@ from pydantic import Field, field_validator
 from eagle3data.core.params.base import Strict
 from eagle3data.trainers.registry import TRAINERS
 
+# Hand-offs to trainers that compute the states while they train (`export/online.py`): the mix's ids and masks only,
+# no hidden states, so they need no 04 store.
+ONLINE_FORMATS: tuple[str, ...] = ("speculators_online", "specforge_online")
+
 
 def trainer_names() -> list[str]:
     """The registered trainers (`trainers.registry`), in their order: the formats an export hands the mix to."""
     return list(TRAINERS)
+
+
+def format_names() -> list[str]:
+    """Every export format: the registered trainers' offline hand-offs, then the online ones."""
+    return [*trainer_names(), *ONLINE_FORMATS]
 
 
 class ExportParams(Strict):
@@ -20,12 +29,19 @@ class ExportParams(Strict):
     formats: list[str] = Field(
         default_factory=trainer_names, min_length=1,
         description="Trainers to hand the mix to. A trainer whose layout is hidden.layout is hardlinked (no copy); "
-                    "any other is a full converted copy of the hidden states (04's estimate says how much).")
+                    "any other is a full converted copy of the hidden states (04's estimate says how much). "
+                    "`speculators_online` / `specforge_online`: ids and masks only, the states computed by a "
+                    "serving engine while the trainer trains (no 04 store needed).")
+    online_max_length: int | None = Field(
+        None, gt=0, description="Online hand-offs: the sequence length the trainers are configured with (speculators "
+                                "prepare-data `--seq-length`, SpecForge `data.max_length`). None: the longest row, "
+                                "nothing cut. Rows it would truncate or leave with nothing supervised are reported "
+                                "before training (manifest `window`).")
 
     @field_validator("formats")
     @classmethod
     def _known_trainers(cls, v: list[str]) -> list[str]:
-        bad = [f for f in v if f not in trainer_names()]
+        bad = [f for f in v if f not in format_names()]
         if bad:
-            raise ValueError(f"unknown trainer {bad[0]!r}; known: {', '.join(trainer_names())}")
+            raise ValueError(f"unknown trainer {bad[0]!r}; known: {', '.join(format_names())}")
         return v

@@ -1,0 +1,116 @@
+"""What a trainer that takes only text would train on: the mix's conversations re-tokenized by the trainers' rule.
+
+TorchSpec (`load_conversation_dataset`) and Model-Optimizer's streaming dataset read conversations,
+not ids: they render the target's chat template as text and encode it without special tokens
+(`apply_chat_template(tokenize=False)`, then `encode(add_special_tokens=False)`, or
+`apply_chat_template(tokenize=True)`, which does the same). Everything 01–03 proved about the ids is
+then lost at the last step unless that rule happens to give the same ids. This module applies the
+rule to every row of the mix (the record's messages plus its reply as the final assistant turn, the
+profile's template options, `prompts.load.messages_for_template`'s handling of tools) and counts for
+how many rows it reproduces the exact ids:
+
+- `equal`: the rule's ids are ours, token for token;
+- `equal_then_template_tail`: ours, then only what the template appends after the end-of-turn the
+  model emitted (ChatML's newline after `<|im_end|>`): the trained-on tokens are ours;
+- `differ`: anything else, by kind (`differ_kinds`): `end_of_turn_added` (a reply cut at the
+  budget: the template closes the turn with an end-of-turn the model never emitted there, and the
+  trainer supervises it) or `inside` (another split, a token missing or added within the sequence).
+  The first ones are named, with the position and the tokens on both sides.
+
+`reproduced` = the first two. The figure is the run's, whatever trainer it goes to; what such a
+drift costs a drafter is 06's `retokenized` variant (docs/06).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from eagle3data.core.models import tokenizer_for
+from eagle3data.core.profiles import get_profile
+from eagle3data.prompts.load import Prompt, messages_for_template
+from eagle3data.rebuild.provider_tokens import fast_backend
+from eagle3data.rebuild.text import first_diff
+
+RULE = ("the target's chat template rendered as text (the record's messages, then its reply as the final assistant "
+        "turn with reasoning_content; the profile's template options), encoded without special tokens: TorchSpec's "
+        "and Model-Optimizer's tokenization")
+SHOW = 5  # differing rows named in the manifest
+WINDOW = 4  # tokens shown on each side of a row's first difference
+
+
+def rule_ids(tokenizer: Any, samples: Sequence[Any], profile: Any) -> list[list[int]]:
+    """The ids the text trainers' rule gives each sample's conversation (rendered one by one, encoded in one batch)."""
+    texts = []
+    for s in samples:
+        rec = s.record or {}
+        reply = {"role": "assistant", "content": rec.get("content") or "",
+                 "reasoning_content": rec.get("reasoning") or ""}
+        if rec.get("tool_calls"):
+            reply["tool_calls"] = rec["tool_calls"]
+        prompt = Prompt(s.dataset, s.sample_id, [*(rec.get("messages") or []), reply], rec.get("tools"))
+        msgs, tools = messages_for_template(prompt, profile)
+        kw = dict(profile.template_kwargs) | ({"tools": tools} if tools else {})
+        texts.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw))
+    if not texts:
+        return []
+    return [list(e.ids) for e in fast_backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def _view(tokenizer: Any, ids: Sequence[int]) -> list[list[Any]]:
+    bt = fast_backend(tokenizer)
+    return [[int(i), bt.decode([int(i)], skip_special_tokens=False)] for i in ids]
+
+
+def text_drift(samples: Sequence[Any], tokenizer: Any, profile: Any) -> dict[str, Any]:
+    """For how many rows the text trainers' rule reproduces the exact ids, the first differing rows named."""
+    eot = set(profile.stop_ids)
+    equal = tail = 0
+    kinds: dict[str, int] = {}
+    differing: list[dict[str, Any]] = []
+    for s, theirs in zip(samples, rule_ids(tokenizer, samples, profile)):
+        ours = list(s.input_ids)
+        d = first_diff(ours, theirs)
+        if d is None:
+            equal += 1
+            continue
+        if d == len(ours) and ours and ours[-1] in eot:  # ours, then only the template's tail after our end-of-turn
+            tail += 1
+            continue
+        kind = ("end_of_turn_added" if d == len(ours) and d < len(theirs) and theirs[d] in eot
+                else "inside")  # a reply cut at the budget gets an end-of-turn the model never emitted
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if len(differing) < SHOW:
+            lo = max(0, d - WINDOW)
+            differing.append({"key": str(s.key), "kind": kind, "position": d, "ours_len": len(ours), "theirs_len": len(theirs),
+                              "ours": _view(tokenizer, ours[lo: d + WINDOW]),
+                              "theirs": _view(tokenizer, theirs[lo: d + WINDOW]), "window_start": lo})
+        else:
+            differing.append({"key": str(s.key), "kind": kind, "position": d})
+    n = len(samples)
+    return {"rows": n, "reproduced": equal + tail, "equal": equal, "equal_then_template_tail": tail,
+            "differ": n - equal - tail, "differ_kinds": dict(sorted(kinds.items())), "first_differing": differing[:SHOW],
+            "differing_keys": [x["key"] for x in differing], "rule": RULE}
+
+
+def measure(params: Any, samples: Sequence[Any]) -> dict[str, Any]:
+    """`text_drift` with the run's tokenizer, or why it was not measured (the tokenizer is not on this machine)."""
+    try:
+        tok = tokenizer_for(params)
+    except Exception as e:  # noqa: BLE001 - a tokenizer only the GPU machine has: said, not fatal
+        return {"rows": len(samples), "reproduced": None, "rule": RULE,
+                "not_measured": f"the run's tokenizer could not be loaded here ({type(e).__name__}: {e})"}
+    if getattr(tok, "chat_template", None) is None:
+        return {"rows": len(samples), "reproduced": None, "rule": RULE,
+                "not_measured": "the tokenizer has no chat template: a text-only trainer cannot render these rows"}
+    return text_drift(samples, tok, get_profile(params.profile))
+
+
+def drift_line(d: dict[str, Any]) -> str:
+    """One line: the text trainers' rule against the exact ids."""
+    if d.get("reproduced") is None:
+        return f"text-only trainers: not measured ({d.get('not_measured')})"
+    first = ", ".join(d["differing_keys"][:3])
+    kinds = ", ".join(f"{k} {v}" for k, v in (d.get("differ_kinds") or {}).items())
+    return (f"text-only trainers (TorchSpec, Model-Optimizer: chat template as text, encoded): {d['reproduced']} of "
+            f"{d['rows']} rows get our exact ids" + (f"; {d['differ']} differ ({kinds}; first: {first})"
+                                                     if d["differ"] else ""))
