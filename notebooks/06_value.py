@@ -28,7 +28,8 @@
 
 # %%
 from eagle3data.core.params import load_params, params_for_display
-from eagle3data.value.plots import diff_figure, diff_table, loss_figure, position_figure, tau_table
+from eagle3data.value.plots import (diff_figure, diff_table, loss_figure, online_table, position_figure, seed_table,
+                                    tau_table, temperature_table)
 from eagle3data.value.run import plan_value, run_value
 
 # %% tags=["parameters"]
@@ -84,6 +85,32 @@ diff_figure(summary)
 
 # %%
 summary.get("storage_decision")
+
+# %% [markdown]
+# ## 5. How sure: τ at the sampling temperatures, over training seeds, per doubling of data
+# Offline τ at each `value.eval.temperatures` (T = 0: the offline column above; T > 0: speculative sampling's
+# acceptance of the draft's greedy tokens, as vLLM proposes them, against the target's tempered distribution;
+# the engine measures T = 0 only). Then exact's τ over `value.train.seeds` (empty with one seed): each Δτ
+# above is judged against it as well (`diff_to_exact.judged`), and `size_slope`: τ per doubling of training
+# tokens from `half` and `exact` (docs/06).
+
+# %%
+temperature_table(summary)
+
+# %%
+seed_table(summary)
+
+# %%
+summary.get("size_slope")
+
+# %% [markdown]
+# ## 6. The `online` variant: states generated while it trained
+# Its rows' states came from a vLLM server during training (speculators' own client and dataset), never
+# stored: every reply's echoed ids were checked, and each generated row's states compared with 04's store
+# of the same key within verify-hidden's recompute tolerance (empty when the variant did not run).
+
+# %%
+online_table(summary)
 
 # %% [markdown] tags=["hide-from-html"]
 # ## Figures recorded for tests

@@ -23,8 +23,10 @@ from eagle3data.hidden.capture import layer_plan, load_config, load_extract_mode
 from eagle3data.hidden.extract import run_extract
 from eagle3data.hidden.mix import read_mix
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_problems, leak_problems
-from eagle3data.value.offline import EvalSeq, accepted_per_anchor, chain_correct, offline_tau, target_states
-from eagle3data.value.run import plan_value, ratio_ci
+from eagle3data.value.offline import (EvalSeq, OfflineTau, accepted_per_anchor, chain_correct, offline_tau, per_position,
+                                     target_states)
+from eagle3data.value.run import plan_value
+from eagle3data.value.spread import ratio_ci
 from eagle3data.value.train import (TrainConfig, TrainingStopped, ValueStageError, build_draft, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft)
 
@@ -242,3 +244,48 @@ def test_a_few_step_draft_serves_in_real_vllm_with_greedy_ids(trained, seqs):
     assert all(x.steps for x in spec)
     assert info["counters"]["spec_decode_num_drafts"] == sum(x.steps for x in spec)
     assert info["counters"]["spec_decode_num_accepted_tokens"] == sum(x.accepted for x in spec)
+
+
+def test_offline_tau_per_temperature_is_the_greedy_figure_at_zero_and_a_kept_variant_gains_a_temperature(
+        trained, seqs, tmp_path):
+    """06's offline τ per temperature (vLLM's greedy drafts): at T = 0 anchor for anchor `offline_tau`'s, with the
+    same interval; at T = 1 its own figure; a disagreement with the greedy chain refused; a finished variant kept by
+    its fingerprint is measured at a temperature it lacks, from its draft, nothing retrained."""
+    from eagle3data.value.run import _add_temperatures
+    from eagle3data.value.sampling import offline_by_temperature, target_head_of
+
+    p, res = trained
+    draft = load_draft(res.draft_dir)
+    head = target_head_of(load_extract_model(p))
+    greedy = [offline_tau(draft, s, K, draft.d2t) for s in seqs]
+    pp, per_ds = offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], seed=0, greedy=greedy)
+    assert [r["0.0"] for r in pp] == [sum(o.accepted) for o in greedy]
+    for ds in dict.fromkeys(s.dataset for s in seqs):
+        idx = [i for i, s in enumerate(seqs) if s.dataset == ds]
+        t0, t1 = per_ds[ds]["0.0"], per_ds[ds]["1.0"]
+        assert (t0["tau"], t0["tau_ci95"]) == ratio_ci([sum(greedy[i].accepted) for i in idx],
+                                                       [greedy[i].anchors for i in idx], 0)
+        assert t0["per_position"] == per_position([greedy[i] for i in idx], K)
+        assert 1.0 <= t1["tau"] <= K + 1 and t1["tau_ci95"][0] <= t1["tau"] <= t1["tau_ci95"][1]
+    assert any(r["1.0"] != r["0.0"] for r in pp)  # sampling's acceptance is not the greedy indicator
+    off = [OfflineTau(o.anchors, [min(a + 1, K) for a in o.accepted]) for o in greedy]
+    with pytest.raises(ValueStageError, match="differs from the greedy chain"):  # a T > 0 pass checks T = 0 too
+        offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], greedy=off)
+    assert offline_by_temperature(draft, seqs, None, K, [0.0])[1] == {ds: {"0.0": f["0.0"]} for ds, f in per_ds.items()}
+
+    out = tmp_path / "value" / "exact"
+    shutil.copytree(res.draft_dir, out / "draft")
+    rows = [{"dataset": s.dataset, "sample_id": s.sample_id, "offline_accepted_by_temperature": r}
+            for s, r in zip(seqs, offline_by_temperature(draft, seqs, head, K, [0.0])[0])]
+    (out / "per_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prev = {"variant": "exact", "per_dataset": {ds: {"offline_by_temperature": {"0.0": f["0.0"]}}
+                                                for ds, f in per_ds.items()}}
+    pt = p.model_copy(update={"value": p.value.model_copy(update={"eval": p.value.eval.model_copy(
+        update={"temperatures": [0.0, 1.0]})})})
+    said = []
+    kept = _add_temperatures(json.loads(json.dumps(prev)), out, seqs, head, pt, said.append)
+    assert {ds: f["offline_by_temperature"] for ds, f in kept["per_dataset"].items()} == per_ds
+    assert json.loads((out / "result.json").read_text()) == kept and len(said) == 1
+    assert [json.loads(x)["offline_accepted_by_temperature"] for x in (out / "per_prompt.jsonl").read_text().splitlines()] \
+        == pp
+    assert _add_temperatures(kept, out, seqs, head, pt, said.append) is kept and len(said) == 1  # nothing missing

@@ -22,7 +22,8 @@ from eagle3data.core.models import tokenizer_for
 from eagle3data.export.run import run_export
 from eagle3data.hidden.extract import run_extract
 from eagle3data.prompts.load import load_datasets
-from eagle3data.value.run import paired_diff, storage_decision
+from eagle3data.value.run import storage_decision
+from eagle3data.value.spread import paired_diff
 from eagle3data.value.train import TrainConfig, _loader
 from eagle3data.value.variants import build_variant, variant_data
 
@@ -219,3 +220,170 @@ def test_a_variants_rows_follow_exacts_key_order_not_its_own_storage_order(tmp_p
     (tmp_path / "handoff.json").write_text(json.dumps({"keys": ["d/c", "d/a", "d/x", "d/b"]}))
     assert _rows_of(tmp_path, ["d/a", "d/b", "d/c"]) == [1, 3, 0]  # d/x: not a training key
     assert _rows_of(tmp_path, ["d/b", "d/gone", "d/a"]) == [3, 1]
+
+
+def _pp(path: Path, accepted: list[int], steps: int = 10) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    rows = [{"dataset": "humaneval" if i % 2 else "held", "sample_id": str(i), "offline_accepted": a, "anchors": steps,
+             "engine_accepted": None, "engine_steps": None} for i, a in enumerate(accepted)]
+    (path / "per_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_exacts_seeds_pool_per_prompt_and_widen_the_judgement_of_a_difference(tmp_path):
+    from eagle3data.value.run import _per_prompt, diff_to_exact
+    from eagle3data.value.spread import seed_spreads, size_curve
+
+    rng = torch.Generator().manual_seed(0)
+    base = torch.randint(2, 8, (40,), generator=rng).tolist()
+    _pp(tmp_path / "exact", base)
+    _pp(tmp_path / "exact_seed1", [a + 1 for a in base])
+    _pp(tmp_path / "worse", [a - 1 for a in base])
+    one = diff_to_exact(tmp_path, "worse")  # today's rule: exact's one draft, the evaluation interval alone
+    assert (one["tau_offline"], one["tau_offline_ci95"]) == paired_diff([(a, 10) for a in base],
+                                                                        [(a - 1, 10) for a in base])
+    assert one["judged"]["judged_against"] == ["evaluation"] and one["significant"] and one["exact_seeds"] == 1
+    assert one["judged"]["ci95"] == one["tau_offline_ci95"]
+    # exact over two seeds: each prompt's counts summed over them (τ 1 + mean accepted/anchors of both)
+    two = diff_to_exact(tmp_path, "worse", exact_folders=["exact", "exact_seed1"])
+    assert two["tau_offline"] == pytest.approx(-0.15, abs=1e-4) and two["exact_seeds"] == 2
+    runs = [{"variant": "exact", "draft_dir": "x", "per_dataset": {"humaneval": {"tau_offline": 1.4, "tau_engine": None}}},
+            {"variant": "exact", "folder": "exact_seed1", "draft_dir": "y",
+             "per_dataset": {"humaneval": {"tau_offline": 1.5, "tau_engine": None}}}]
+    rows = [_per_prompt(tmp_path, "exact"), _per_prompt(tmp_path, "exact_seed1")]
+    sp = seed_spreads(runs, rows, [0, 1])
+    assert sp["seeds"] == [0, 1] and sp["per_dataset"]["humaneval"]["offline"]["sd"] == pytest.approx(0.0707, abs=1e-4)
+    mean = sum(base) / len(base) / 10
+    assert sp["pooled"]["offline"]["mean"] == pytest.approx(1 + mean + 0.05, abs=1e-4)
+    assert sp["pooled"]["offline"]["sd"] == pytest.approx(0.0707, abs=1e-4) and sp["pooled"]["engine"]["seeds"] == 0
+    judged = diff_to_exact(tmp_path, "worse", exact_folders=["exact", "exact_seed1"], spread=sp["pooled"])["judged"]
+    assert judged["judged_against"] == ["evaluation", "training seeds"] and judged["seed_df"] == 1
+    assert judged["ci95"][0] < two["tau_offline_ci95"][0] and judged["ci95"][1] > two["tau_offline_ci95"][1]
+    assert seed_spreads(runs[:1], rows[:1], [0]) is None
+    # the size curve: half (2,000 tokens, its own counts) and exact (4,000, pooled over its seeds): Δτ per doubling
+    half = _per_prompt(tmp_path, "worse")
+    curve = size_curve([("half", 2000, [half]), ("exact", 4000, rows)], 0, sp["pooled"])
+    assert curve["variants"] == ["half", "exact"] and curve["tau"] == "offline"
+    assert curve["slope_per_doubling"] == pytest.approx(0.15, abs=1e-4)  # exact's pooled τ − half's, one doubling
+    assert curve["judged_against"] == ["evaluation", "training seeds"] and curve["ci95"][0] < 0.15 < curve["ci95"][1]
+
+
+def test_seeds_and_temperatures_leave_a_finished_variants_fingerprint_and_seeds_hold_the_seed(tmp_path):
+    from types import SimpleNamespace
+
+    from eagle3data.value.run import _fingerprint, exact_seeds, with_seed
+
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path)})
+    plan, vd = SimpleNamespace(layer_ids=[2, 15, 27], evals=[1, 2]), SimpleNamespace(rows=[], info={})
+    q = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "value.train.seeds": [0, 3, 1],
+                                                  "value.eval.temperatures": [0.0, 1.0]})
+    assert _fingerprint(p, plan, "exact", vd) == _fingerprint(q, plan, "exact", vd)
+    assert exact_seeds(p) == [0] and exact_seeds(q) == [0, 3, 1]
+    s3 = with_seed(q, 3)  # another seed's draft: its own fingerprint
+    assert s3.value.train.seed == 3 and _fingerprint(s3, plan, "exact", vd) != _fingerprint(q, plan, "exact", vd)
+    with pytest.raises(Exception, match="leave out seed 0"):
+        load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "value.train.seeds": [1, 2]})
+
+
+def test_the_table_shows_tau_per_temperature_and_exacts_seed_spread_only_when_measured():
+    from eagle3data.value.plots import seed_table, summary_markdown, temperature_table
+    from eagle3data.value.run import summary_lines
+    from eagle3data.value.spread import judge_diff, seed_spread
+
+    by_t = {"0.0": {"tau": 1.45, "tau_ci95": [1.35, 1.55], "per_position": [0.3, 0.1, 0.05]},
+            "1.0": {"tau": 1.31, "tau_ci95": [1.25, 1.38], "per_position": [0.25, 0.05, 0.01]}}
+    f = {"prompts": 10, "tau_engine": None, "tau_engine_ci95": None, "tau_offline": 1.45,
+         "tau_offline_ci95": [1.35, 1.55], "per_position": [0.3, 0.1, 0.05], "per_position_engine": None,
+         "lossless": None, "offline_by_temperature": {"0.0": by_t["0.0"]}}
+    d = {"prompts": 10, "tau_engine": None, "tau_engine_ci95": None, "tau_offline": -0.05,
+         "tau_offline_ci95": [-0.08, -0.02], "eval_tokens": 1280, "significant": True, "eval_tokens_to_resolve": None,
+         "exact_seeds": 1, "judged": judge_diff(-0.05, [-0.08, -0.02])}
+    s = {"eval": {"num_speculative_tokens": 3, "temperatures": [0.0]},
+         "variants": [{"variant": "exact", "train_tokens": 100, "per_dataset": {"humaneval": f}},
+                      {"variant": "half", "train_tokens": 50, "per_dataset": {"humaneval": f}, "diff_to_exact": d}]}
+    plain_md, plain_text = summary_markdown(s), summary_lines(s)  # T = 0 and one seed: today's table
+    assert "T=1" not in plain_md + plain_text and "seeds" not in plain_md + plain_text
+    assert list(temperature_table(s)["T"]) == [0.0, 0.0] and seed_table(s).empty
+    f2 = f | {"offline_by_temperature": by_t}
+    sp = {"seeds": [0, 1, 2], "per_dataset": {"humaneval": {"offline": seed_spread([1.44, 1.46, 1.45]),
+                                                            "engine": seed_spread([None])}},
+          "pooled": {"offline": seed_spread([1.44, 1.46, 1.45]), "engine": seed_spread([None])}}
+    j = judge_diff(-0.05, [-0.08, -0.02], 0.01, 2, 3, 1)
+    s2 = {"eval": {"num_speculative_tokens": 3, "temperatures": [0.0, 1.0]}, "seed_spread": sp,
+          "variants": [{"variant": "exact", "train_tokens": 100, "per_dataset": {"humaneval": f2}},
+                       {"variant": "half", "train_tokens": 50, "per_dataset": {"humaneval": f2},
+                        "diff_to_exact": d | {"exact_seeds": 3, "judged": j}}]}
+    md, text = summary_markdown(s2), summary_lines(s2)
+    assert md.startswith(plain_md) and "| exact | humaneval | 1.310 (1.25–1.38) |" in md
+    assert "exact over seeds [0, 1, 2]" in md and "| humaneval | offline | 1.450 | 0.01 | 1.440–1.460 |" in md
+    assert f"| half | -0.050 | ({j['ci95'][0]:.3f}–{j['ci95'][1]:.3f}) |" in md
+    assert "offline τ at T=1 1.31 [1.25, 1.38]" in text and "judged against evaluation and 3 seeds" in text
+    assert list(temperature_table(s2)["T"]) == [0.0, 1.0, 0.0, 1.0] and list(seed_table(s2)["sd"]) == [0.01, 0.01]
+
+
+def test_the_stage_trains_exact_per_seed_and_gathers_spread_judgement_and_slope(tmp_path, monkeypatch):
+    """run_value's wiring, its heavy steps stood in for: exact once per seed in its own folder (the other variants
+    once), the target's head handed to every variant, the seed spread, each Δτ judged against it, the size slope."""
+    from types import SimpleNamespace
+
+    import eagle3data.value.run as R
+    from eagle3data.value.evalset import EvalPrompt
+
+    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(tmp_path), "value.variants": ["exact", "half"],
+                                                  "value.train.seeds": [0, 1, 2], "value.eval.engine": False})
+    evals = [EvalPrompt("humaneval" if i % 2 else "held", str(i), [1, 2, 3], "x") for i in range(30)]
+    plan = R.ValuePlan(p.run_dir, p.run_dir / "export" / "speculators", tmp_path, [2, 15, 27], evals, [0, 1], ["a", "b"],
+                       0, ["exact", "half"])
+    head = object()
+    calls = []
+    gen = torch.Generator().manual_seed(1)
+    hard = torch.randint(0, 4, (30,), generator=gen).tolist()  # a prompt's difficulty, shared by every draft
+
+    def fake_variant(params, plan, variant, seqs, say, head_, folder=None):
+        assert head_ is head and len(seqs) == 30
+        seed, folder = params.value.train.seed, folder or variant
+        calls.append((variant, folder, seed))
+        bonus = {"exact": 2 + seed % 2, "half": 1}[variant]  # the seeds move exact's τ; half is a doubling below
+        rows = [{"dataset": e.dataset, "sample_id": e.sample_id, "offline_accepted": h + bonus, "anchors": 10,
+                 "engine_accepted": None, "engine_steps": None} for e, h in zip(evals, hard)]
+        (plan.run_dir / "value" / folder).mkdir(parents=True, exist_ok=True)
+        (plan.run_dir / "value" / folder / "per_prompt.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        per_ds = {}
+        for ds in ("held", "humaneval"):
+            rs = [x for x in rows if x["dataset"] == ds]
+            per_ds[ds] = {"prompts": len(rs), "tau_engine": None, "tau_engine_ci95": None, "per_position": [0.1] * 3,
+                          "tau_offline": 1 + sum(x["offline_accepted"] for x in rs) / (10 * len(rs)),
+                          "tau_offline_ci95": [1.0, 2.0], "lossless": None, "per_position_engine": None}
+        return {"variant": variant, "folder": folder, "seed": seed, "draft_dir": str(tmp_path / folder / "draft"),
+                "train_tokens": {"exact": 4000, "half": 2000}[variant], "per_dataset": per_ds}
+
+    for name, fn in {"load_extract_model": lambda params: object(), "load_config": lambda params: None,
+                     "reference_continuations": lambda params, plan, say, model: [[5] * 8 for _ in plan.evals],
+                     "layer_plan": lambda params, cfg: SimpleNamespace(hf_indices=[2, 15, 27]),
+                     "target_states": lambda model, layers, seqs: None, "target_head_of": lambda model: head,
+                     "run_variant": fake_variant, "git_state": lambda: {}, "package_versions": lambda: {},
+                     "write_provenance": lambda *a: None, "_save_figures": lambda *a: None}.items():
+        monkeypatch.setattr(R, name, fn)
+    s = R.run_value(p, plan=plan, say=lambda line: None)
+    assert calls == [("exact", "exact", 0), ("half", "half", 0), ("exact", "exact_seed1", 1), ("exact", "exact_seed2", 2)]
+    sp = s["seed_spread"]
+    assert sp["seeds"] == [0, 1, 2] and [r["seed"] for r in sp["runs"]] == [0, 1, 2]
+    mean_hard = sum(hard) / 300
+    assert sp["pooled"]["offline"]["mean"] == pytest.approx(1 + mean_hard + (2 + 3 + 2) / 30, abs=1e-4)
+    assert sp["pooled"]["offline"]["sd"] == pytest.approx(0.0577, abs=1e-4)
+    d = next(v for v in s["variants"] if v["variant"] == "half")["diff_to_exact"]
+    assert d["exact_seeds"] == 3 and d["tau_offline"] == pytest.approx(-(1 + 1 / 3) / 10, abs=1e-4)
+    assert d["judged"]["judged_against"] == ["evaluation", "training seeds"] and d["judged"]["seed_df"] == 2
+    sl = s["size_slope"]
+    assert sl["variants"] == ["half", "exact"] and sl["slope_per_doubling"] == pytest.approx(0.1333, abs=1e-4)
+    assert json.loads((p.run_dir / "value" / "summary.json").read_text())["seed_spread"]["seeds"] == [0, 1, 2]
+    assert "exact over seeds [0, 1, 2]" in R.summary_lines(s)
+    # the defaults (no seeds): exact once, no spread, each Δτ judged against the evaluation interval alone, as before
+    calls.clear()
+    p1 = p.model_copy(update={"value": p.value.model_copy(update={"train": p.value.train.model_copy(
+        update={"seeds": None})})})
+    s1 = R.run_value(p1, plan=plan, say=lambda line: None)
+    assert calls == [("exact", "exact", 0), ("half", "half", 0)] and "seed_spread" not in s1
+    d1 = next(v for v in s1["variants"] if v["variant"] == "half")["diff_to_exact"]
+    assert d1["exact_seeds"] == 1 and d1["tau_offline"] == pytest.approx(-0.1, abs=1e-4)
+    assert d1["judged"]["judged_against"] == ["evaluation"] and d1["judged"]["ci95"] == d1["tau_offline_ci95"]
+    assert s1["size_slope"]["judged_against"] == ["evaluation"]

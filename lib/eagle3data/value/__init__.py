@@ -2,6 +2,7 @@
 
 Owns the evaluation prompts and the leak guard (`evalset`), the training loop around speculators'
 own draft model (`train`), the offline chain acceptance (`offline`), vLLM serving with and without
-the draft (`engine`), the plan, variants and summary (`run`) and the table and figures (`plots`).
+the draft (`engine`), the plan, variants and summary (`run`), the `online` variant's states generated
+while it trains (`online`) and the table and figures (`plots`).
 May import the core and every earlier stage.
 """

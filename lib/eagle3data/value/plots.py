@@ -41,6 +41,57 @@ def diff_table(summary: dict[str, Any]) -> Any:
     return pd.DataFrame(rows)
 
 
+def temperature_table(summary: dict[str, Any]) -> Any:
+    """Offline τ per variant, evaluation set and sampling temperature (`eval.temperatures`; vLLM's greedy drafts
+    against the target's tempered distribution, sampling.py), with 95% intervals over prompts."""
+    import pandas as pd
+
+    rows = []
+    for v in summary["variants"]:
+        for ds, f in v["per_dataset"].items():
+            for t, x in (f.get("offline_by_temperature") or {}).items():
+                ci = x.get("tau_ci95") or [None, None]
+                rows.append({"variant": v["variant"], "evaluation set": ds, "T": float(t), "τ offline": x["tau"],
+                             "95%": f"{ci[0]}–{ci[1]}" if ci[0] is not None else "",
+                             "per position": " / ".join(f"{p:.0%}" for p in x["per_position"] if p is not None)})
+    return pd.DataFrame(rows)
+
+
+def seed_table(summary: dict[str, Any]) -> Any:
+    """exact's τ over its training seeds per evaluation set (and pooled), engine and offline: mean, sd, min–max."""
+    import pandas as pd
+
+    sp = summary.get("seed_spread") or {}
+    rows = []
+    for ds, kinds in list((sp.get("per_dataset") or {}).items()) + ([("(pooled)", sp["pooled"])] if sp else []):
+        for kind, x in kinds.items():
+            if x["seeds"]:
+                rows.append({"evaluation set": ds, "τ": kind, "seeds": x["seeds"], "mean": x["mean"], "sd": x["sd"],
+                             "min": x["min"], "max": x["max"]})
+    return pd.DataFrame(rows)
+
+
+def online_table(summary: dict[str, Any]) -> Any:
+    """The `online` variant's states as generated while it trained: the server, its round trips (every reply's echoed
+    ids checked by speculators), and the generated states against 04's store of the same key (verify-hidden's
+    recompute tolerance; `worst max_rel`: the largest element error over its row's RMS, per state)."""
+    import pandas as pd
+
+    rows = []
+    for v in summary["variants"]:
+        on = v.get("online")
+        if not on:
+            continue
+        st = on["store_check"]
+        rows.append({"variant": v["variant"], "connector": (on.get("server") or {}).get("connector"),
+                     "rows generated": on["rows_generated"], "requests": on["requests"],
+                     "echoed ids equal": on["echoed_ids_equal"], "failed": on["failed_requests"],
+                     "generate s": on["generate_s"], "vs store: rows": st["rows"], "ids equal": st["ids_equal"],
+                     "beyond tolerance": st["failed"],
+                     "worst max_rel": ", ".join(f"{k} {x:.3g}" for k, x in st["worst_max_rel"].items())})
+    return pd.DataFrame(rows)
+
+
 def diff_figure(summary: dict[str, Any]) -> Any:  # None when only exact ran
     """Δτ to exact per variant with its 95% interval (engine where measured, else offline); 0 is exact."""
     import matplotlib.pyplot as plt
@@ -132,9 +183,35 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             vh = v.get("verify_hidden") or {}
             ver = (f"exit {vh['exit']}: {vh.get('failed_samples')} of {vh.get('samples')} failed" if "exit" in vh
                    else "passed" if vh.get("ok") else "")
+            if v.get("online"):  # no stored state to verify: the generated ones against 04's store instead
+                st = v["online"]["store_check"]
+                ver = (f"online: ids {v['online']['echoed_ids_equal']:,} echoed equal; states vs 04's store "
+                       f"{st['rows'] - st['failed']:,} of {st['rows']:,} within tolerance")
             te = f"**{d['tau_engine']:+.3f}** {ci(d['tau_engine_ci95'], 3)}" if d.get("tau_engine") is not None else "–"
             to = f"{d['tau_offline']:+.3f} {ci(d['tau_offline_ci95'], 3)}" if d.get("tau_offline") is not None else "–"
             res = f"{d['eval_tokens_to_resolve']:,}" if d.get("eval_tokens_to_resolve") else ""
             out.append(f"| {v['variant']} | {te} | {to} | {'yes' if d['significant'] else 'no'} | {res} | {ver} | "
                        f"{v['train_tokens']:,} |")
+    temps = [t for t in (summary.get("eval") or {}).get("temperatures") or [0.0] if t]
+    if temps:  # offline τ at the sampling temperatures (T = 0 is the table above's offline column)
+        out += ["", "| variant | evaluation set | " + " | ".join(f"τ offline T={t:g} (95%)" for t in temps) + " |",
+                "|---|---|" + "---|" * len(temps)]
+        for v in summary["variants"]:
+            for ds, f in v["per_dataset"].items():
+                by = f.get("offline_by_temperature") or {}
+                cells = [f"{by[str(float(t))]['tau']:.3f} {ci(by[str(float(t))]['tau_ci95'])}"
+                         if by.get(str(float(t))) and by[str(float(t))]["tau"] is not None else "–" for t in temps]
+                out.append(f"| {v['variant']} | {ds} | " + " | ".join(cells) + " |")
+    sp = summary.get("seed_spread")
+    if sp:  # exact over its training seeds, and each difference judged against evaluation and seed noise
+        out += ["", f"exact over seeds {sp['seeds']}:", "", "| evaluation set | τ | mean | sd | min–max |",
+                "|---|---|---|---|---|"]
+        for ds, kinds in list(sp["per_dataset"].items()) + [("(pooled)", sp["pooled"])]:
+            out += [f"| {ds} | {k} | {x['mean']:.3f} | {x['sd']} | {x['min']:.3f}–{x['max']:.3f} |"
+                    for k, x in kinds.items() if x["seeds"]]
+        judged = [(v["variant"], v["diff_to_exact"]["judged"]) for v in diffs if v["diff_to_exact"].get("judged")]
+        if judged:
+            out += ["", "| variant | Δτ | 95%, evaluation and seeds | significant |", "|---|---|---|---|"]
+            out += [f"| {n} | {j['diff']:+.3f} | {ci(j['ci95'], 3)} | {'yes' if j['significant'] else 'no'} |"
+                    for n, j in judged]
     return "\n".join(out)

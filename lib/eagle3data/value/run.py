@@ -8,13 +8,15 @@ the variants. `run_value` then makes the reference continuations (the plain serv
 kept in `value/reference.jsonl`), the target's states over them (04's Capture), and per variant:
 trains (resumable), measures offline τ and engine τ with 95% intervals over prompts, checks that the
 speculative ids equal the greedy ones, and writes `value/<variant>/result.json`. A finished variant
-is kept on the next run; `value/summary.json` gathers them.
+is kept on the next run; `value/summary.json` gathers them. Offline τ is also measured at every
+`value.eval.temperatures` (sampling.py; the engine at T = 0 only); with several `value.train.seeds`, exact is
+trained once per seed (`value/exact_seed<s>/`) and the summary carries its seed spread, each Δτ judged against
+evaluation and seed noise, and τ per doubling of training tokens over `half` and `exact` (spread.py).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,16 +36,20 @@ from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.value.engine import serve
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
+from eagle3data.value.online import online_handoff, train_online
 from eagle3data.value.plots import diff_figure, loss_figure, position_figure, summary_markdown
-from eagle3data.value.train import (TrainConfig, TrainResult, ValueStageError, ValueStopped, check_draft_layers,
+from eagle3data.value.sampling import offline_by_temperature, target_head_of, temperature_key
+from eagle3data.value.spread import KINDS, judge_diff, paired_diff, ratio_ci, seed_spreads, size_curve
+from eagle3data.value.train import (DRAFT_DIR, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft, training_identity)
 from eagle3data.value.variants import VARIANTS, VariantData, variant_data
 
 HANDOFF = Path("export") / "speculators"
-BOOTSTRAP = 2000
 # The storage rule (docs/04, docs/06): an 8-bit storage becomes a layout's default only when the 95% interval of its
 # engine-τ difference to `exact` proves it loses at most this share of exact's τ (its lower bound >= -share x τ).
 MAX_STORAGE_LOSS = 0.01
+# the variants that differ from exact by their number of training rows only: the data-size curve's points
+SIZE_POINTS = ("half", "exact")
 
 
 @dataclass
@@ -81,6 +87,10 @@ def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
     bad = [v for v in params.value.variants if v not in VARIANTS]
     if bad:
         raise ValueStageError(f"value.variants: unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}")
+    if "online" in params.value.variants:  # refused now, not after the variants before it have trained
+        online_handoff(run_dir)
+    if exact_seeds(params)[1:] and "exact" not in params.value.variants:
+        raise ValueStageError("value.train.seeds: the seeds spread exact's τ; value.variants has no exact")
     info = json.loads(info_path.read_text(encoding="utf-8"))
     keys = [str(k) for k in info.get("keys") or []]
     layer_ids = layer_ids_of_store(run_dir / "hidden")
@@ -110,60 +120,38 @@ def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
 # ----------------------------------------------------------------------------------------------- figures
 
 
-def ratio_ci(num: Sequence[float], den: Sequence[float], seed: int = 0) -> tuple[float | None, list[float] | None]:
-    """1 + Σnum/Σden over prompts, with a 95% percentile bootstrap interval over prompts (seeded)."""
-    pairs = [(a, b) for a, b in zip(num, den) if b]
-    if not pairs:
-        return None, None
-    est = 1 + sum(a for a, _ in pairs) / sum(b for _, b in pairs)
-    rng = random.Random(seed)
-    boots = []
-    for _ in range(BOOTSTRAP):
-        s = [pairs[rng.randrange(len(pairs))] for _ in pairs]
-        boots.append(1 + sum(a for a, _ in s) / sum(b for _, b in s))
-    boots.sort()
-    return round(est, 4), [round(boots[int(0.025 * BOOTSTRAP)], 4), round(boots[int(0.975 * BOOTSTRAP) - 1], 4)]
-
-
 def _per_prompt(vdir: Path, variant: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (vdir / variant / "per_prompt.jsonl").read_text(encoding="utf-8").splitlines() if x]
 
 
-def paired_diff(base: Sequence[tuple[float, float]], other: Sequence[tuple[float, float]],
-                seed: int = 0) -> tuple[float | None, list[float] | None]:
-    """τ(other) − τ(base), each 1 + Σaccepted/Σsteps over the same prompts, with a 95% bootstrap interval that
-    resamples prompts jointly (paired: a prompt easy for one draft is easy for the other)."""
-    pairs = [(a, b) for a, b in zip(base, other) if a[1] and b[1]]
-    if not pairs:
-        return None, None
-
-    def d(ps: Sequence[tuple[tuple[float, float], tuple[float, float]]]) -> float:
-        return sum(b[0] for _, b in ps) / sum(b[1] for _, b in ps) - sum(a[0] for a, _ in ps) / sum(a[1] for a, _ in ps)
-
-    rng = random.Random(seed)
-    boots = sorted(d([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(BOOTSTRAP))
-    return round(d(pairs), 4), [round(boots[int(0.025 * BOOTSTRAP)], 4), round(boots[int(0.975 * BOOTSTRAP) - 1], 4)]
-
-
-def diff_to_exact(vdir: Path, variant: str, seed: int = 0) -> dict[str, Any]:
+def diff_to_exact(vdir: Path, variant: str, seed: int = 0, exact_folders: Sequence[str] = ("exact",),
+                  spread: dict[str, Any] | None = None) -> dict[str, Any]:
     """A variant's τ difference to `exact`, engine and offline, paired over the same evaluation prompts, pooled over
     the evaluation datasets; where the interval holds 0, how many evaluation tokens would resolve the difference
-    (the interval narrows as 1/√tokens)."""
-    ex, va = _per_prompt(vdir, "exact"), _per_prompt(vdir, variant)
-    if [(p["dataset"], p["sample_id"]) for p in ex] != [(p["dataset"], p["sample_id"]) for p in va]:
-        raise ValueStageError(f"{vdir / variant / 'per_prompt.jsonl'}: not the evaluation prompts of exact's")
-    out: dict[str, Any] = {"prompts": len(ex)}
-    for kind, num, den in (("engine", "engine_accepted", "engine_steps"), ("offline", "offline_accepted", "anchors")):
-        if any(p[num] is None for p in ex + va):
+    (the interval narrows as 1/√tokens). With exact trained on several seeds (`exact_folders`), exact's side is
+    each prompt's counts summed over its seeds, and the difference is judged (`judged`, `significant`) against the
+    evaluation interval widened by the seed spread (`spread[kind]`: `seed_spread` of the pooled τ; spread.py's rule);
+    otherwise against the evaluation interval alone."""
+    exs, va = [_per_prompt(vdir, f) for f in exact_folders], _per_prompt(vdir, variant)
+    for f, ex in zip(exact_folders, exs):
+        if [(p["dataset"], p["sample_id"]) for p in ex] != [(p["dataset"], p["sample_id"]) for p in va]:
+            raise ValueStageError(f"{vdir / variant / 'per_prompt.jsonl'}: not the evaluation prompts of {f}'s")
+    out: dict[str, Any] = {"prompts": len(va), "exact_seeds": len(exs)}
+    for kind, num, den in KINDS:
+        if any(p[num] is None for ex in exs for p in ex + va):
             out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = None, None
             continue
-        est, ci = paired_diff([(p[num], p[den]) for p in ex], [(p[num], p[den]) for p in va], seed)
+        base = [(sum(ex[i][num] for ex in exs), sum(ex[i][den] for ex in exs)) for i in range(len(va))]
+        est, ci = paired_diff(base, [(p[num], p[den]) for p in va], seed)
         out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = est, ci
     ref = _eval_tokens(vdir)
     out["eval_tokens"] = ref
-    est, ci = (out["tau_engine"], out["tau_engine_ci95"]) if out.get("tau_engine") is not None else \
-        (out["tau_offline"], out["tau_offline_ci95"])
-    out["significant"] = bool(ci) and (ci[0] > 0 or ci[1] < 0)
+    kind = "engine" if out.get("tau_engine") is not None else "offline"
+    est, ci = out[f"tau_{kind}"], out[f"tau_{kind}_ci95"]
+    sd = (spread or {}).get(kind) or {}
+    out["judged"] = (judge_diff(est, ci, sd.get("sd"), sd["seeds"] - 1 if sd.get("sd") is not None else None,
+                                seeds_a=len(exs), seeds_b=1) if ci else None)
+    out["significant"] = bool(out["judged"]) and out["judged"]["significant"]
     half = (ci[1] - ci[0]) / 2 if ci else None
     out["eval_tokens_to_resolve"] = (None if out["significant"] or not est or not half
                                      else int(ref * (half / abs(est)) ** 2) + 1)
@@ -273,19 +261,57 @@ def _train_config(params: RunParams) -> TrainConfig:
 
 
 def _fingerprint(params: RunParams, plan: ValuePlan, variant: str, vd: VariantData) -> dict[str, Any]:
-    return {"variant": variant, "train": params.value.train.model_dump(),
-            "eval": params.value.eval.model_dump(exclude={"server", "concurrency"}),
+    """What a finished variant was made from: a change re-runs it. Not `train.seeds` (a seed's own draft carries its
+    `train.seed`) nor `eval.temperatures` (a kept variant is measured at a missing temperature offline, untrained)."""
+    return {"variant": variant, "train": params.value.train.model_dump(exclude={"seeds"}),
+            "eval": params.value.eval.model_dump(exclude={"server", "concurrency", "temperatures"}),
             "rows": len(vd.rows), "data": vd.info.get("fingerprint"), "layer_ids": plan.layer_ids,
             "eval_prompts": len(plan.evals),
             "training": training_identity(vd.handoff, vd.rows, _train_config(params)) if vd.rows else None}
 
 
+def exact_seeds(params: RunParams) -> list[int]:
+    """The seeds exact is trained with, `train.seed` first (its draft is `value/exact/`, the one every variant is
+    compared with; each other seed's in `value/exact_seed<s>/`); the other variants train with `train.seed` only."""
+    tp = params.value.train
+    return [tp.seed] + [s for s in tp.seeds or [] if s != tp.seed]
+
+
+def with_seed(params: RunParams, seed: int) -> RunParams:
+    v = params.value
+    return params.model_copy(update={"value": v.model_copy(update={"train": v.train.model_copy(update={"seed": seed})})})
+
+
+def _add_temperatures(prev: dict[str, Any], out: Path, seqs: list[EvalSeq], head: Callable[[Any], Any],
+                      params: RunParams, say: Callable[[str], None]) -> dict[str, Any]:
+    """A kept variant measured offline at the temperatures it lacks (its draft as trained; nothing else re-run)."""
+    temps = params.value.eval.temperatures
+    have = [set((f.get("offline_by_temperature") or {})) for f in prev["per_dataset"].values()]
+    if all({temperature_key(t) for t in temps} <= h for h in have):
+        return prev
+    say(f"{out.name}: offline τ at temperatures {temps}")
+    draft = load_draft(out / DRAFT_DIR)
+    pp, per_ds = offline_by_temperature(draft, seqs, head, params.value.eval.num_speculative_tokens, temps,
+                                        params.value.train.seed)
+    rows = _per_prompt(out.parent, out.name)
+    for r, t in zip(rows, pp):
+        r["offline_accepted_by_temperature"] = (r.get("offline_accepted_by_temperature") or {}) | t
+    for ds, f in prev["per_dataset"].items():
+        f["offline_by_temperature"] = (f.get("offline_by_temperature") or {}) | per_ds[ds]
+    write_atomic(out / "per_prompt.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    write_atomic(out / "result.json", json.dumps(prev, indent=1).encode())
+    return prev
+
+
 def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
-                say: Callable[[str], None]) -> dict[str, Any]:
-    """Build (or keep) one variant's data, train (or resume) its draft, then measure it offline and through the engine."""
+                say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None) -> dict[str, Any]:
+    """Build (or keep) one variant's data, train (or resume) its draft, then measure it offline (at every
+    `eval.temperatures`, with the target's `head`) and through the engine. `folder`: `value/<folder>/` (default the
+    variant's name; exact's other seeds)."""
 
     tp, ev = params.value.train, params.value.eval
-    out = plan.run_dir / "value" / variant
+    folder = folder or variant
+    out = plan.run_dir / "value" / folder
     done = out / "result.json"
     vd = variant_data(params, variant, plan.handoff, plan.train_rows, plan.train_keys, say,
                       stop=stop_requested(plan.run_dir))
@@ -293,15 +319,21 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     if done.exists():
         prev = json.loads(done.read_text(encoding="utf-8"))
         if prev.get("fingerprint") == fp:
-            say(f"{variant}: finished earlier, kept ({done})")
+            say(f"{folder}: finished earlier, kept ({done})")
+            prev = _add_temperatures(prev, out, seqs, head, params, say)
             return prev | ({"data": vd.info} if vd.info else {})  # what is known of its data now
     if not vd.rows:
         raise ValueStageError(f"{vd.handoff / 'handoff.json'}: variant {variant} has no training rows")
     cfg = _train_config(params)
     rows = vd.rows
     say(f"{variant}: training on {len(rows):,} rows of {vd.handoff}")
-    tr: TrainResult = train_draft(vd.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
+    online = None
+    if variant == "online":  # the states generated as it trains, by a states server started for it
+        tr, online = train_online(params, vd.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
                                   say=lambda s: say(f"{variant}: {s}"), stop=stop_requested(plan.run_dir))
+    else:
+        tr = train_draft(vd.handoff, plan.model_dir, plan.layer_ids, out, cfg, rows,
+                         say=lambda s: say(f"{variant}: {s}"), stop=stop_requested(plan.run_dir))
     check_draft_layers(tr.draft_dir, plan.layer_ids)
     K = ev.num_speculative_tokens
     draft = load_draft(tr.draft_dir)
@@ -309,19 +341,22 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     t0 = time.monotonic()
     offline = [offline_tau(draft, s, K, d2t) for s in seqs]
     offline_s = time.monotonic() - t0
+    by_t = offline_by_temperature(draft, seqs, head, K, ev.temperatures, tp.seed, greedy=offline)
+    temps_s = time.monotonic() - t0 - offline_s
     del draft
     served, info = (serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
-                          stage=f"06_{variant}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency, say=say,
+                          stage=f"06_{folder}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency, say=say,
                           stop=stop_requested(plan.run_dir))
                     if ev.engine else ([None] * len(seqs), {}))
     per_prompt, per_ds = [], {}
     lossless_all = True
-    for e, s, o, sv in zip(plan.evals, seqs, offline, served):
+    for e, s, o, sv, bt in zip(plan.evals, seqs, offline, served, by_t[0]):
         ref = s.input_ids[s.prompt_len:]
         lossless = None if sv is None else sv.ids == ref
         lossless_all &= lossless is not False
         per_prompt.append({"dataset": e.dataset, "sample_id": e.sample_id, "anchors": o.anchors,
                            "offline_accepted": sum(o.accepted), "tau_offline": o.tau,
+                           "offline_accepted_by_temperature": bt,
                            "engine_steps": None if sv is None else sv.steps,
                            "engine_accepted": None if sv is None else sv.accepted,
                            "tau_engine": None if sv is None else sv.tau, "lossless": lossless,
@@ -339,7 +374,8 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
                       "per_position_engine": ([round(sum(a >= k for a in steps) / len(steps), 4) for k in range(1, K + 1)]
                                               if steps else None),
                       "lossless": None if not ev.engine else all(p["lossless"] for p in pp),
-                      "not_lossless": [p["sample_id"] for p in pp if p["lossless"] is False]}
+                      "not_lossless": [p["sample_id"] for p in pp if p["lossless"] is False],
+                      "offline_by_temperature": by_t[1].get(ds)}
     pooled = {k: info.get("counters", {}).get(f"spec_decode_num_{k}") for k in ("drafts", "accepted_tokens")}
     check = None
     if ev.engine:
@@ -348,14 +384,18 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
                  "counters_drafts": pooled["drafts"], "counters_accepted": pooled["accepted_tokens"]}
         check["agree"] = (check["per_request_steps"] == check["counters_drafts"]
                           and check["per_request_accepted"] == check["counters_accepted"])
-    result = {"variant": variant, "about": VARIANTS[variant], "draft_dir": str(tr.draft_dir),
+    result = {"variant": variant, "folder": folder, "seed": tp.seed, "about": VARIANTS[variant],
+              "draft_dir": str(tr.draft_dir),
               "train_tokens": tr.train_tokens, "train_samples": len(rows), "steps": tr.steps, "seconds": tr.seconds,
               "tokens_per_s": round(tr.train_tokens / tr.seconds, 1) if tr.seconds else None,
               "final_loss": tr.log[-1]["loss"] if tr.log else None, "offline_s": round(offline_s, 1),
+              "offline_temperatures_s": round(temps_s, 1),
               "engine": info, "counters_check": check, "lossless": lossless_all if ev.engine else None,
               "per_dataset": per_ds, "data": vd.info, "fingerprint": fp}
     if "verify_hidden" in vd.info:
         result["verify_hidden"] = vd.info["verify_hidden"]
+    if online is not None:
+        result["online"] = online
     write_atomic(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in per_prompt).encode())
     write_atomic(done, json.dumps(result, indent=1).encode())
     return result
@@ -390,8 +430,15 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                           f"the profile's plan {list(layers.hf_indices)} for this model")
     say(f"target states over {len(seqs)} evaluation sequences")
     target_states(model, layers, seqs)
+    head = target_head_of(model)  # the final norm and head only: offline τ at T > 0 needs the target's distribution
     del model
-    results = [run_variant(params, plan, v, seqs, say) for v in plan.variants]
+    results = [run_variant(params, plan, v, seqs, say, head) for v in plan.variants]
+    seeds = exact_seeds(params) if "exact" in plan.variants else []
+    seed_runs = [run_variant(with_seed(params, s), plan, "exact", seqs, say, head, folder=f"exact_seed{s}")
+                 for s in seeds[1:]]
+    exact_folders = ["exact"] + [f"exact_seed{s}" for s in seeds[1:]]
+    spread = (seed_spreads([r for r in results if r["variant"] == "exact"] + seed_runs,
+                           [_per_prompt(vdir, f) for f in exact_folders], seeds) if seed_runs else None)
     ev = params.value.eval
     tp_seed = params.value.train.seed
     counts: dict[str, int] = {}
@@ -400,20 +447,30 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
     summary = {"target": str(plan.model_dir), "run": str(plan.run_dir), "handoff": str(plan.handoff),
                "layer_ids": plan.layer_ids,
                "eval": {"max_new_tokens": ev.max_new_tokens, "num_speculative_tokens": ev.num_speculative_tokens,
-                        "dtype": ev.server.dtype or params.model.dtype, "prompts": counts, "engine": ev.engine},
+                        "dtype": ev.server.dtype or params.model.dtype, "prompts": counts, "engine": ev.engine,
+                        "temperatures": ev.temperatures},
                "held_out": plan.held_out,
                "variants": [{k: r.get(k) for k in ("variant", "about", "draft_dir", "train_tokens", "train_samples",
                                                    "steps", "seconds", "tokens_per_s", "final_loss", "lossless",
                                                    "per_dataset", "counters_check")}
                             | ({"verify_hidden": r["verify_hidden"]} if "verify_hidden" in r else {})
+                            | ({"online": r["online"]} if "online" in r else {})
                             | ({"data": {k: r["data"].get(k) for k in ("records", "api_records", "proof_levels",
                                                                         "ids_differ_from_exact", "mix",
                                                                         "extract", "seconds") if k in r["data"]}}
                                if r.get("data") else {})
-                            | ({"diff_to_exact": diff_to_exact(vdir, r["variant"], tp_seed)}
+                            | ({"diff_to_exact": diff_to_exact(vdir, r["variant"], tp_seed, exact_folders,
+                                                               (spread or {}).get("pooled"))}
                                if r["variant"] != "exact" and "exact" in plan.variants else {})
                             for r in results],
                "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}
+    if spread:
+        summary["seed_spread"] = spread
+    by = {r["variant"]: r for r in results}
+    size = [(v, by[v]["train_tokens"], [_per_prompt(vdir, f) for f in (exact_folders if v == "exact" else [v])])
+            for v in SIZE_POINTS if v in by]
+    if len(size) > 1:  # τ per doubling of training tokens (half and exact: the same rows, in part)
+        summary["size_slope"] = size_curve(size, tp_seed, (spread or {}).get("pooled"))
     if "exact" in plan.variants:
         summary["storage_decision"] = storage_decision(summary)
     write_atomic(vdir / "summary.json", json.dumps(summary, indent=1).encode())
@@ -473,6 +530,10 @@ def summary_lines(summary: dict[str, Any]) -> str:
             lines.append(f"{v['variant']:>{w}} {ds:<20} τ engine {f['tau_engine']} {f['tau_engine_ci95']}  "
                          f"offline {f['tau_offline']} {f['tau_offline_ci95']}  per position {f['per_position']}  "
                          f"lossless {f['lossless']}")
+            by = {t: x for t, x in (f.get("offline_by_temperature") or {}).items() if float(t)}
+            if by:
+                lines.append(f"{'':>{w}} {'':<20} offline τ at " + "; ".join(
+                    f"T={float(t):g} {x['tau']} {x['tau_ci95']}" for t, x in by.items()))
         d = v.get("diff_to_exact")
         if d:
             kind = "engine" if d.get("tau_engine") is not None else "offline"
@@ -480,10 +541,25 @@ def summary_lines(summary: dict[str, Any]) -> str:
                     f"not significant at {d['eval_tokens']:,} eval tokens; ~{d['eval_tokens_to_resolve']:,} would resolve it"
                     if d.get("eval_tokens_to_resolve") else "not significant")
             lines.append(f"{'':>{w}} vs exact: Δτ {kind} {d[f'tau_{kind}']:+} {d[f'tau_{kind}_ci95']} ({more})")
+            j = d.get("judged") or {}
+            if "training seeds" in (j.get("judged_against") or []):
+                lines.append(f"{'':>{w}} judged against evaluation and {d['exact_seeds']} seeds: {j['ci95']} "
+                             f"({'significant' if j['significant'] else 'not significant'})")
+        on = v.get("online")
+        if on:
+            st = on["store_check"]
+            lines.append(f"{'':>{w}} online: {on['rows_generated']:,} rows' states generated ({on['requests']:,} "
+                         f"requests), echoed ids equal {on['echoed_ids_equal']:,}, failed {on['failed_requests']}; vs "
+                         f"04's store {st['rows']:,} rows, {st['failed']} beyond tolerance")
         vh = v.get("verify_hidden")
         if vh and "exit" in vh:
             lines.append(f"{'':>{w}} verify-hidden: exit {vh['exit']}, {vh.get('failed_samples')} of "
                          f"{vh.get('samples')} samples failed")
+    sp = summary.get("seed_spread")
+    if sp:
+        lines += [f"exact over seeds {sp['seeds']}: {ds} " + "; ".join(
+                  f"{k} τ mean {x['mean']} sd {x['sd']} ({x['min']}–{x['max']})" for k, x in kinds.items() if x["seeds"])
+                  for ds, kinds in list(sp["per_dataset"].items()) + [("(pooled)", sp["pooled"])]]
     sd = summary.get("storage_decision")
     if sd:
         lines.append(f"storage default: {sd['default']} (rule: {sd['rule']})")

@@ -141,21 +141,25 @@ def build_draft(model_dir: Path, handoff: Path, layer_ids: Sequence[int], cfg: T
     return draft.float()
 
 
-def _loader(handoff: Path, rows: Sequence[int], hidden_size: int, cfg: TrainConfig) -> tuple[Any, Any]:
+def _loader(handoff: Path, rows: Sequence[int], hidden_size: int, cfg: TrainConfig,
+            dataset: Any = None) -> tuple[Any, Any]:
     import torch
     from speculators.models.eagle3 import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from torch.utils.data import DataLoader, Subset
 
-    manifest = json.loads((handoff / "handoff.json").read_text(encoding="utf-8"))
-    transfer = None
-    if manifest.get("hidden_states_backend") == "fp8":  # hs-connectors' FP8 files: read as speculators' fp8 backend does
-        from hs_connectors import FP8Transfer
+    if dataset is not None:  # a dataset of the hand-off built by the caller (06's online variant: states generated)
+        ds = dataset
+    else:
+        manifest = json.loads((handoff / "handoff.json").read_text(encoding="utf-8"))
+        transfer = None
+        if manifest.get("hidden_states_backend") == "fp8":  # hs-connectors' FP8 files (speculators' fp8 backend)
+            from hs_connectors import FP8Transfer
 
-        transfer = FP8Transfer(handoff / "hidden_states")
-    ds = ArrowDataset(max_len=cfg.total_seq_len, datapath=str(handoff), on_missing="raise", transfer=transfer,
-                      hidden_states_dtype=torch.float32)
+            transfer = FP8Transfer(handoff / "hidden_states")
+        ds = ArrowDataset(max_len=cfg.total_seq_len, datapath=str(handoff), on_missing="raise", transfer=transfer,
+                          hidden_states_dtype=torch.float32)
     lengths = [ds.approx_lengths[i] for i in rows]
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=cfg.total_seq_len, lengths=lengths,
                                                  num_replicas=1, rank=0, seed=cfg.seed)
@@ -204,12 +208,16 @@ def _save_checkpoint(path: Path, draft: Any, opts: list[Any], scheds: list[Any],
 
 def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_dir: Path, cfg: TrainConfig,
                 rows: Sequence[int], *, say: Callable[[str], None] = print, device: str | None = None,
-                stop: Callable[[], bool] | None = None) -> TrainResult:
+                stop: Callable[[], bool] | None = None, dataset: Any = None) -> TrainResult:
     """Train one draft on `rows` of the hand-off; resume from `out_dir/checkpoint.pt` when it is there.
 
+    `dataset`: speculators' dataset of the hand-off to read the rows from (default: its ArrowDataset on the stored
+    states). A row the dataset could not give (speculators' `SampleUnavailable`, dropped by its collate) stops the
+    training with a ValueStageError: a draft is never trained on fewer rows than asked without a word.
     Returns the saved draft folder and the figures. Ctrl-C, or `stop()` true after a step (the run's STOP file): the
     checkpoint is written and TrainingStopped raised."""
     import torch
+    from torch.utils.data import DataLoader
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
@@ -217,7 +225,7 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     draft = build_draft(model_dir, handoff, layer_ids, cfg).to(device)
     hidden = int(draft.config.transformer_layer_config.hidden_size)
-    loader, sampler = _loader(handoff, rows, hidden, cfg)
+    loader, sampler = _loader(handoff, rows, hidden, cfg, dataset)
     per_epoch = len(sampler)
     total = per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, per_epoch * cfg.epochs)
     if total < 1:
@@ -256,11 +264,17 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
             for epoch in range(step // per_epoch, cfg.epochs):
                 sampler.set_epoch(epoch)
                 skip = step - epoch * per_epoch
-                for i, batch in enumerate(loader):
-                    if i < skip:
-                        continue
+                # resumed mid-epoch: the epoch's batches after the checkpoint only (a batch read and skipped would
+                # still be read: for the online variant, its rows' states generated for nothing)
+                batches = loader if skip <= 0 else DataLoader(loader.dataset, batch_sampler=list(sampler)[skip:],
+                                                              num_workers=0, collate_fn=loader.collate_fn)
+                for batch in batches:
                     if step >= total:
                         break
+                    if batch.get("error_records"):
+                        why = getattr(loader.dataset.dataset, "last_error", None) or "see the log above"
+                        raise ValueStageError(f"{handoff}: {batch['error_records']} row(s) of step {step + 1:,} were "
+                                              f"unavailable to speculators' dataset (last: {why})")
                     n_tok = int((batch["document_ids"] >= 0).sum())
                     inputs = {k: batch[k].to(device) for k in ("hidden_states", "input_ids", "document_ids",
                                                                "loss_mask", "position_ids",

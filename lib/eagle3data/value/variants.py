@@ -17,7 +17,9 @@ ones) and made into a speculators hand-off by 02, 04 and 05 with params, as a us
 - `int8`: 04 with `hidden.storage: int8` (its default scale, channel_rms; layout shards, since speculators reads no
   int8) -> 05 converts for speculators;
 - `fp8`: 04 with `hidden.storage: fp8_e4m3`, `storage_scale: token`, layout speculators (hs-connectors' FP8 files,
-  read through FP8Transfer).
+  read through FP8Transfer);
+- `online`: 05's `export/speculators_online/` as it is (exact's ids, no states): `value.online` trains on it with the
+  states generated during training by a vLLM server.
 
 A built variant is kept (`value/<variant>/run/built.json`, with its params' fingerprint); a stopped build resumes
 through the stages' own resume (04 keeps what it stored).
@@ -49,6 +51,7 @@ from eagle3data.hidden.extract import plan_extract, run_extract
 from eagle3data.hidden.verify.checks import NOT_SAMPLED
 from eagle3data.prompts.load import load_datasets
 from eagle3data.rebuild.run import run_reconstruct, turns_from_exact
+from eagle3data.value.online import handoff_fingerprint, online_handoff
 from eagle3data.value.train import ValueStageError, ValueStopped
 
 VARIANTS = {
@@ -59,6 +62,8 @@ VARIANTS = {
     "shifted": "04's states handed to the writer one position early (the engine bug class); verify-hidden's verdict",
     "int8": "04 stored in int8 (channel_rms scales, shards), 05 converts for speculators",
     "fp8": "04 stored in fp8_e4m3 with per-token scales (speculators' FP8 files)",
+    "online": "05's online hand-off (ids, no states): states generated while training by a vLLM server, through "
+              "speculators' online dataset and hs-connectors' file backend",
 }
 BUILT = "built.json"
 
@@ -272,4 +277,7 @@ def variant_data(params: RunParams, variant: str, handoff: Path, train_rows: lis
         return VariantData(handoff, list(train_rows))
     if variant == "half":
         return VariantData(handoff, list(train_rows[: max(1, len(train_rows) // 2)]))
+    if variant == "online":  # 05's own folder, in exact's row order; the states come during training (value.online)
+        online = online_handoff(params.run_dir)
+        return VariantData(online, _rows_of(online, train_keys), {"fingerprint": handoff_fingerprint(online)})
     return build_variant(params, variant, train_keys, say, stop)

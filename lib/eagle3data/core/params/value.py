@@ -5,9 +5,9 @@ same evaluation prompts (`eval`); docs/06 says what each figure means."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from eagle3data.core.params.base import Strict
 from eagle3data.core.params.generate import VLLMServerParams
@@ -24,10 +24,28 @@ class ValueTrainParams(Strict):
     loss_fn: str = Field("kl_div", description="speculators' loss name (its default for EAGLE-3: kl_div).")
     num_layers: int = Field(1, gt=0, description="Draft decoder layers (EAGLE-3: 1).")
     seed: int = Field(0, description="Seeds the draft's init and the packing order.")
+    seeds: list[int] | None = Field(None, min_length=1, description="Train exact once per seed (distinct, `seed` "
+                                                                    "among them: its draft is the one every variant "
+                                                                    "is compared with) for τ's spread over training "
+                                                                    "seeds (None: [seed]; other variants: `seed`).")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps (None: all epochs).")
     max_train_samples: int | None = Field(None, gt=0, description="Train on the first N rows of the hand-off only.")
     checkpoint_every: int = Field(50, gt=0, description="Steps between checkpoints (also written on Ctrl-C).")
     threads: int | None = Field(None, gt=0, description="torch threads (None: torch's default).")
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"seeds {v} repeat a seed (a repeated seed trains the same draft: no spread)")
+        return v
+
+    @model_validator(mode="after")
+    def _seed_among_seeds(self) -> "ValueTrainParams":
+        if self.seeds is not None and self.seed not in self.seeds:
+            raise ValueError(f"seeds {self.seeds} leave out seed {self.seed} (exact's own draft, every variant's "
+                             "reference): add it, or set seed to one of them")
+        return self
 
 
 class ValueEvalParams(Strict):
@@ -40,8 +58,19 @@ class ValueEvalParams(Strict):
                                                                    "depth of the offline chain.")
     concurrency: int = Field(8, gt=0, description="Evaluation requests in flight.")
     engine: bool = Field(True, description="Measure τ through vLLM's speculative decoding (needs `make engine`).")
+    temperatures: list[Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: [0.0], min_length=1,
+        description="Sampling temperatures offline τ is measured at (0: greedy; T > 0: speculative sampling's "
+                    "acceptance of the draft's greedy tokens, as vLLM drafts); the engine measures T = 0 only.")
     server: VLLMServerParams = Field(default_factory=lambda: VLLMServerParams(port=0),
                                      description="The vLLM servers 06 starts (plain and speculative).")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _distinct_temperatures(cls, v: list[float]) -> list[float]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"temperatures {v} repeat a temperature")
+        return v
 
 
 class ValueParams(Strict):
