@@ -105,6 +105,20 @@ def wait_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def wait_figure(run_dir: Path, key: str, n: int, proc: subprocess.Popen, since: float) -> None:
+    """Wait until 04's live progress (progress.json, written after `since`) shows figure `key` >= n for this run."""
+    while True:
+        try:
+            prog = orjson.loads((run_dir / "progress.json").read_bytes())
+        except (OSError, ValueError):
+            prog = {}
+        if (prog.get("stage") == "04_extract_hidden" and prog.get("updated_at", 0) > since and not prog.get("final")
+                and ((prog.get("figures") or {}).get(key) or 0) >= n):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+
+
 def as_written(hdir: Path, *files: str | Path) -> None:
     """Record store files a test rewrote (a planted engine fault) as 04 would have had it written those bytes: each
     file's content checksum journaled and put in the index, so only the checks under test see the change (a file

@@ -41,6 +41,7 @@ from eagle3data.hidden.store.failures import SamplesFailed, StatesNotMerged
 from eagle3data.hidden.mix import build_mix, hidden_dir, read_mix
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE
 from eagle3data.hidden.store.reader import HiddenReader
+from runfiles import wait_figure
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -225,20 +226,6 @@ def cli_run(root: Path, backend: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "eagle3data", "run", str(CI), "--only", "04", *args], cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def wait_figure(run_dir: Path, key: str, n: int, proc: subprocess.Popen, since: float) -> None:
-    """Wait until 04's live progress shows `key` >= n (written by this run)."""
-    while True:
-        try:
-            prog = orjson.loads((run_dir / "progress.json").read_bytes())
-        except (OSError, ValueError):
-            prog = {}
-        if (prog.get("stage") == "04_extract_hidden" and prog.get("updated_at", 0) > since and not prog.get("final")
-                and ((prog.get("figures") or {}).get(key) or 0) >= n):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
 
 
 def kill_engine(record: Path) -> list[psutil.Process]:

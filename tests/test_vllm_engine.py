@@ -38,7 +38,7 @@ from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import read_shard_meta, shard_dir
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.verify.command import verify_cli
-from runfiles import as_written
+from runfiles import as_written, wait_figure
 from eagle3data.hidden.engines.vllm_capture import hidden_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,20 +246,6 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def wait_extracted(run_dir: Path, n: int, proc: subprocess.Popen, since: float) -> None:
-    """Wait until 04's live progress (progress.json, written after `since`) shows `n` samples stored by this run."""
-    while True:
-        try:
-            prog = orjson.loads((run_dir / "progress.json").read_bytes())
-        except (OSError, ValueError):
-            prog = {}
-        if (prog.get("stage") == "04_extract_hidden" and prog.get("updated_at", 0) > since and not prog.get("final")
-                and ((prog.get("figures") or {}).get("extracted") or 0) >= n):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-
-
 def stored(run_dir: Path) -> list[str]:
     return [e["key"] for f in shard_dir(run_dir / "hidden").glob("*.safetensors") for e in read_shard_meta(f)["samples"]]
 
@@ -287,7 +273,7 @@ def test_ctrl_c_then_a_killed_run_then_resume_through_the_cli(ci_run, hidden_ser
     many_records(ci_run, root)
     run_dir, files = root / "ci", root / "ci" / "hidden" / "engine_files"
     proc, t0 = cli_04(root), time.time()  # 1. Ctrl-C once progress shows
-    wait_extracted(run_dir, 2, proc, t0)
+    wait_figure(run_dir, "extracted", 2, proc, t0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate()
     assert proc.returncode == 3 and "stopped: SIGINT" in err and "04_extract_hidden stopped" in err, (out, err)
@@ -296,7 +282,7 @@ def test_ctrl_c_then_a_killed_run_then_resume_through_the_cli(ci_run, hidden_ser
     assert not server_of(files)  # the launched server is gone
 
     proc, t0 = cli_04(root), time.time()  # 2. killed outright mid-capture: its kernel and server go with it
-    wait_extracted(run_dir, 2, proc, t0)
+    wait_figure(run_dir, "extracted", 2, proc, t0)
     doomed = server_of(files) + psutil.Process(proc.pid).children(recursive=True)
     assert server_of(files)
     proc.kill()
