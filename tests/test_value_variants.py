@@ -166,7 +166,15 @@ def test_the_storage_rule_switches_a_layout_only_when_its_loss_is_proven_small()
     d = storage_decision(_summary([-0.02, 0.01], [-0.01, 0.0]))
     assert d["default"] == {"shards": "bf16", "speculators": "fp8_e4m3", "specforge": "bf16"}
     d = storage_decision({"variants": [_summary([0, 0], [0, 0])["variants"][0]]})
-    assert d["default"]["shards"] == "bf16" and d["int8"] == {"measured": False}
+    # a table without the 8-bit variants decides nothing about them, and says so
+    assert d["default"] == {"shards": None, "speculators": None, "specforge": "bf16"} and d["int8"] == {"measured": False}
+    assert d["params_follow"] is None
+    one = _summary([-0.012, 0.01], [0, 0])
+    d = storage_decision({"variants": one["variants"][:2]})  # int8 measured, fp8 not
+    assert d["default"] == {"shards": "int8", "speculators": None, "specforge": "bf16"}
+    assert d["params_follow"] is True  # the params store int8 in shards; speculators' fp8 is not judged here
+    from eagle3data.core.params.hidden import storage_default_text
+    assert storage_default_text(d["default"]) == "shards int8, speculators not measured, specforge bf16"
 
 
 def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):

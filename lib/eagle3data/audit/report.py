@@ -81,6 +81,8 @@ def value_html(run_dir: Path) -> str:
     import html
     import json
 
+    from eagle3data.core.params.hidden import storage_default_text
+
     path = Path(run_dir) / "value" / "summary.json"
     if not path.exists():
         return ""
@@ -121,11 +123,12 @@ def value_html(run_dir: Path) -> str:
                     f"<th>Δτ engine (95%)</th><th>Δτ offline (95%)</th><th></th></tr>{''.join(diffs)}</table>")
     sd = s.get("storage_decision")
     if sd:
-        ablation += (f"<p><b>Storage default</b> by layout: {html.escape(', '.join(f'{k} {v}' for k, v in sd['default'].items()))}"
+        ablation += (f"<p><b>Storage default</b> by layout: {html.escape(storage_default_text(sd['default']))}"
                      f". Rule: {html.escape(sd['rule'])}."
                      + (f" 04's default when <code>hidden.storage</code> is not given: "
                         f"{html.escape(', '.join(f'{k} {v}' for k, v in sd['params_default'].items()))}"
-                        + ("" if sd.get("params_follow") else " (differs from this table's decision)")
+                        + (" (no 8-bit variant ran: not checked)" if sd.get("params_follow") is None
+                           else "" if sd.get("params_follow") else " (differs from this table's decision)")
                         if "params_default" in sd else "") + "</p>")
     return (f"<h2>06 · What the data is worth</h2><p>A draft trained on this run's hand-off; acceptance length τ "
             f"(tokens per verification step, the bonus token included) with k = {k} drafts, greedy, 95% intervals "

@@ -26,7 +26,7 @@ from eagle3data.audit.report import render_report
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
-from eagle3data.core.params.hidden import default_storage
+from eagle3data.core.params.hidden import default_storage, storage_default_text
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.progress import Progress
 from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
@@ -179,7 +179,9 @@ def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
                                    f"interval of its {kind}-τ difference to exact is at least -{MAX_STORAGE_LOSS:.0%} "
                                    f"of exact's τ ({limit}); otherwise bf16 stays",
                            "tau_exact": round(tau, 4), "limit": limit,
-                           "default": {"shards": "bf16", "speculators": "bf16", "specforge": "bf16"}}
+                           # a layout whose 8-bit variant did not run is not decided here (None: not measured);
+                           # specforge reads bf16 only
+                           "default": {"shards": None, "speculators": None, "specforge": "bf16"}}
     rt = by.get("retokenized") or {}
     same = ((rt.get("data") or {}).get("ids_differ_from_exact") or {}).get("differ") == 0
     if same and rt.get("diff_to_exact", {}).get(f"tau_{kind}_ci95"):  # the same ids, states and draft made again
@@ -197,12 +199,15 @@ def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
         free = d[f"tau_{kind}_ci95"][0] >= limit
         out[v] = {"measured": True, "layout": layout, "storage": f"{storage}/{scale}", "diff": d[f"tau_{kind}"],
                   "ci95": d[f"tau_{kind}_ci95"], "free": free}
-        if free:
-            out["default"][layout] = storage
-    # what 04 stores today when `hidden.storage` is not given (params DEFAULT_STORAGE): does it follow this table?
+        out["default"][layout] = storage if free else "bf16"
+    # what 04 stores today when `hidden.storage` is not given (params DEFAULT_STORAGE): does it follow this table,
+    # on the layouts this table measured? None where it measured no 8-bit storage (a run of other variants)
     out["params_default"] = {layout: default_storage(layout)[0] for layout in out["default"]}
-    out["params_follow"] = out["params_default"] == out["default"]
+    measured = [layout for layout, _, _ in STORAGE_OF.values() if out["default"][layout] is not None]
+    out["params_follow"] = (all(out["params_default"][x] == out["default"][x] for x in out["default"]
+                                if out["default"][x] is not None) if measured else None)
     return out
+
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -562,8 +567,10 @@ def summary_lines(summary: dict[str, Any]) -> str:
                   for ds, kinds in list(sp["per_dataset"].items()) + [("(pooled)", sp["pooled"])]]
     sd = summary.get("storage_decision")
     if sd:
-        lines.append(f"storage default: {sd['default']} (rule: {sd['rule']})")
+        lines.append(f"storage default: {storage_default_text(sd['default'])} (rule: {sd['rule']})")
         if "params_default" in sd:
-            lines.append(f"params default (hidden.storage not given): {sd['params_default']}"
-                         + ("" if sd["params_follow"] else " — differs from the measured decision"))
+            follow = sd["params_follow"]
+            lines.append(f"params default (hidden.storage not given): {storage_default_text(sd['params_default'])}"
+                         + (" — no 8-bit variant ran: not checked" if follow is None
+                            else "" if follow else " — differs from the measured decision"))
     return "\n".join(lines)

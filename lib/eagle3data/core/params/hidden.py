@@ -254,3 +254,8 @@ class HiddenParams(Strict):
         if v and not any(v.values()):
             raise ValueError("dataset weights are all 0: the mix would be empty")
         return v
+
+
+def storage_default_text(default: dict[str, str | None]) -> str:
+    """`shards int8, speculators not measured, ...`: a decision's default per layout, unmeasured ones said so."""
+    return ", ".join(f"{k} {v or 'not measured'}" for k, v in default.items())
