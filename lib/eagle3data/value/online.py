@@ -40,6 +40,7 @@ import torch
 
 from eagle3data.core.params import RunParams
 from eagle3data.core.params.hidden import HiddenVLLMParams
+from eagle3data.core.peer_logs import peers_to_log
 from eagle3data.generate.backends.vllm_server import EngineCommand, VLLMServer
 from eagle3data.hidden.capture import layer_plan, load_config
 from eagle3data.hidden.engines.vllm_capture import engine_layer_ids, final_norm, hidden_command
@@ -48,7 +49,7 @@ from eagle3data.hidden.store.format import AUX_NAMES, INFO_FILE
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.verify.checks import compare_states, recompute_failed
 from eagle3data.hidden.verify.run import compute_dtype
-from eagle3data.value.train import (CHECKPOINT, TrainConfig, TrainResult, ValueStageError, train_draft,
+from eagle3data.value.train import (CHECKPOINT, PEER_LOG, TrainConfig, TrainResult, ValueStageError, train_draft,
                                     training_identity)
 
 ONLINE_HANDOFF = Path("export") / "speculators_online"
@@ -249,9 +250,10 @@ def train_online(params: RunParams, handoff: Path, model_dir: Path, layer_ids: S
     t0 = time.monotonic()
 
     def train(url: str) -> TrainResult:
-        ds = online_dataset_class()(handoff, max_len=cfg.total_seq_len, endpoint=url, model=params.model.name,
-                                    keys=keys, ledger=ledger, identity=identity, check=check, **(client or {}))
-        return train_draft(handoff, model_dir, layer_ids, out_dir, cfg, rows, say=say, stop=stop, dataset=ds)
+        with peers_to_log(out_dir / PEER_LOG):  # speculators' client and hs-connectors' lines too, not the notebook's
+            ds = online_dataset_class()(handoff, max_len=cfg.total_seq_len, endpoint=url, model=params.model.name,
+                                        keys=keys, ledger=ledger, identity=identity, check=check, **(client or {}))
+            return train_draft(handoff, model_dir, layer_ids, out_dir, cfg, rows, say=say, stop=stop, dataset=ds)
 
     if cmd is not None:
         say(f"online: starting the states server ({info['server']['connector']}, layers {info['server']['layer_ids']})")

@@ -17,7 +17,8 @@ What is speculators' and what is ours, and why:
   on the same data (`training_identity`: the hand-off's manifest, the rows' keys in order, the settings
   that shape the trajectory) and starts over otherwise, and writes the
   draft with `save_pretrained` into `value/<variant>/draft/`, the folder vLLM loads as an `eagle3`
-  speculator.
+  speculator. What speculators, transformers and torch log or warn while it trains goes to
+  `value/<variant>/peers.log` (`core.peer_logs`), not to the notebook.
 
 The draft's `eagle_aux_hidden_state_layer_ids` come from the store's own recorded layer plan
 (`hidden/index.json` `hf_indices`), never from a second rule (`layer_ids_of_store`).
@@ -35,11 +36,13 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.peer_logs import peers_to_log
 from eagle3data.hidden.store.format import INFO_FILE
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
 DRAFT_DIR = "draft"
+PEER_LOG = "peers.log"  # value/<variant>/peers.log: speculators', transformers' and torch's own lines (core.peer_logs)
 
 
 class ValueStageError(UserInputError):
@@ -214,12 +217,22 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
     `dataset`: speculators' dataset of the hand-off to read the rows from (default: its ArrowDataset on the stored
     states). A row the dataset could not give (speculators' `SampleUnavailable`, dropped by its collate) stops the
     training with a ValueStageError: a draft is never trained on fewer rows than asked without a word.
+    What speculators, transformers and torch log or warn meanwhile goes to `out_dir/peers.log` (`core.peer_logs`),
+    not to the notebook or the terminal; `say` gets the training's own lines.
     Returns the saved draft folder and the figures. Ctrl-C, or `stop()` true after a step (the run's STOP file): the
     checkpoint is written and TrainingStopped raised."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with peers_to_log(out_dir / PEER_LOG):
+        return _train_draft(handoff, model_dir, layer_ids, out_dir, cfg, rows, say=say, device=device, stop=stop,
+                            dataset=dataset)
+
+
+def _train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_dir: Path, cfg: TrainConfig,
+                 rows: Sequence[int], *, say: Callable[[str], None], device: str | None,
+                 stop: Callable[[], bool] | None, dataset: Any) -> TrainResult:
     import torch
     from torch.utils.data import DataLoader
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -272,7 +285,7 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
                     if step >= total:
                         break
                     if batch.get("error_records"):
-                        why = getattr(loader.dataset.dataset, "last_error", None) or "see the log above"
+                        why = getattr(loader.dataset.dataset, "last_error", None) or f"see {out_dir / PEER_LOG}"
                         raise ValueStageError(f"{handoff}: {batch['error_records']} row(s) of step {step + 1:,} were "
                                               f"unavailable to speculators' dataset (last: {why})")
                     n_tok = int((batch["document_ids"] >= 0).sum())
@@ -320,9 +333,11 @@ def train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_di
 
 
 def load_draft(draft_dir: Path, device: str = "cpu") -> Any:
-    """A saved draft for offline evaluation (speculators' own from_pretrained: the verifier's frozen weights reloaded)."""
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    """A saved draft for offline evaluation (speculators' own from_pretrained: the verifier's frozen weights reloaded;
+    what it logs meanwhile to `peers.log` beside the draft folder)."""
+    with peers_to_log(Path(draft_dir).parent / PEER_LOG):
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    cfg = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
-    cfg.transformer_layer_config._attn_implementation = "sdpa"  # dense masks of any length (flex's are fixed-size)
-    return Eagle3DraftModel.from_pretrained(str(draft_dir), config=cfg).float().to(device).eval()
+        cfg = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+        cfg.transformer_layer_config._attn_implementation = "sdpa"  # dense masks of any length (flex's are fixed-size)
+        return Eagle3DraftModel.from_pretrained(str(draft_dir), config=cfg).float().to(device).eval()
