@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model engine run value test bench lab notebooks golden clean
+.PHONY: help install model engine run value value-serving test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -73,6 +73,9 @@ run: model ## run the four notebooks on params/embedded.yaml into outputs/embedd
 VALUE_PARAMS ?= params/value.yaml
 value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yaml into outputs/value/ (a draft trained, its τ measured; docs/06)
 	$(BIN)/python -m eagle3data run $(VALUE_PARAMS)
+
+value-serving: model engine ## 06 for a user's questions: τ at T = 0 and 1, greedy vs sampled regeneration, the data-size curve, seed spread (params/value_serving.yaml into outputs/value_serving/; docs/06)
+	$(BIN)/python -m eagle3data run params/value_serving.yaml
 
 test: model engine sglang ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests

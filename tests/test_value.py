@@ -289,3 +289,30 @@ def test_offline_tau_per_temperature_is_the_greedy_figure_at_zero_and_a_kept_var
     assert [json.loads(x)["offline_accepted_by_temperature"] for x in (out / "per_prompt.jsonl").read_text().splitlines()] \
         == pp
     assert _add_temperatures(kept, out, seqs, head, pt, said.append) is kept and len(said) == 1  # nothing missing
+
+
+@pytest.mark.slow
+def test_a_training_step_leaves_no_peer_line_on_stderr_and_puts_them_in_the_log(handoff, tmp_path, capfd):
+    """06's own training and draft loading (speculators' draft: its loguru lines, transformers' past_key_values
+    FutureWarning raised in kernels) with a loguru handler on stderr as a notebook's kernel has."""
+    import sys
+
+    from loguru import logger
+
+    from eagle3data.generate.backends.vllm_server import model_dir
+    from eagle3data.value.train import DRAFT_DIR, PEER_LOG, TrainConfig, layer_ids_of_store, load_draft, train_draft
+
+    p = handoff
+    hid = logger.add(sys.stderr, format="{name}: {message}")
+    try:
+        res = train_draft(p.run_dir / "export" / "speculators", model_dir(p), layer_ids_of_store(p.run_dir / "hidden"),
+                          tmp_path, TrainConfig(epochs=1, total_seq_len=512, max_steps=1), list(range(4)), say=print)
+        load_draft(res.draft_dir)
+    finally:
+        logger.remove(hid)
+    out, err = capfd.readouterr()
+    assert res.draft_dir == tmp_path / DRAFT_DIR and "train 1/1" in out
+    log = (tmp_path / PEER_LOG).read_text(encoding="utf-8")
+    for peer in ("not found in weight_map", "Loading from local directory", "past_key_values"):
+        assert peer not in err and peer in log, peer
+    assert log.count("Tensor 'lm_head.weight' not found in weight_map") == 2  # training's draft, then load_draft's

@@ -22,7 +22,7 @@ from eagle3data.core.models import tokenizer_for
 from eagle3data.export.run import run_export
 from eagle3data.hidden.extract import run_extract
 from eagle3data.prompts.load import load_datasets
-from eagle3data.value.run import storage_decision
+from eagle3data.value.compare import storage_decision
 from eagle3data.value.spread import paired_diff
 from eagle3data.value.train import TrainConfig, _loader
 from eagle3data.value.variants import build_variant, variant_data
@@ -238,7 +238,7 @@ def _pp(path: Path, accepted: list[int], steps: int = 10) -> None:
 
 
 def test_exacts_seeds_pool_per_prompt_and_widen_the_judgement_of_a_difference(tmp_path):
-    from eagle3data.value.run import _per_prompt, diff_to_exact
+    from eagle3data.value.compare import _per_prompt, diff_to_exact
     from eagle3data.value.spread import seed_spreads, size_curve
 
     rng = torch.Generator().manual_seed(0)
@@ -321,7 +321,8 @@ def test_the_table_shows_tau_per_temperature_and_exacts_seed_spread_only_when_me
                        {"variant": "half", "train_tokens": 50, "per_dataset": {"humaneval": f2},
                         "diff_to_exact": d | {"exact_seeds": 3, "judged": j}}]}
     md, text = summary_markdown(s2), summary_lines(s2)
-    assert md.startswith(plain_md) and "| exact | humaneval | 1.310 (1.25–1.38) |" in md
+    # T = 1: the engine's column empty where it did not serve the variant, offline's figure beside it
+    assert md.startswith(plain_md.split("\n\nτ per doubling")[0]) and "| exact | humaneval | – | 1.310 (1.25–1.38) |" in md
     assert "exact over seeds [0, 1, 2]" in md and "| humaneval | offline | 1.450 | 0.01 | 1.440–1.460 |" in md
     assert f"| half | -0.050 | ({j['ci95'][0]:.3f}–{j['ci95'][1]:.3f}) |" in md
     assert "offline τ at T=1 1.31 [1.25, 1.38]" in text and "judged against evaluation and 3 seeds" in text
@@ -395,3 +396,57 @@ def test_the_stage_trains_exact_per_seed_and_gathers_spread_judgement_and_slope(
     assert d1["exact_seeds"] == 1 and d1["tau_offline"] == pytest.approx(-0.1, abs=1e-4)
     assert d1["judged"]["judged_against"] == ["evaluation"] and d1["judged"]["ci95"] == d1["tau_offline_ci95"]
     assert s1["size_slope"]["judged_against"] == ["evaluation"]
+
+
+def test_engine_tau_per_temperature_and_each_difference_per_temperature_reach_every_view(tmp_path):
+    """Engine τ at T = 1 (its per-request counts per temperature) and each Δτ per temperature, to exact and to the
+    variant a variant was made from (sampled_retokenized against sampled), paired over the prompts."""
+    from eagle3data.value.compare import diff_to
+    from eagle3data.value.plots import diff_temperature_table, summary_markdown, temperature_table
+
+    def rows(acc0: int, acc1: int) -> list[dict]:
+        return [{"dataset": "humaneval", "sample_id": str(i), "anchors": 10, "offline_accepted": acc0 + i % 3,
+                 "engine_steps": 8, "engine_accepted": acc0 + i % 2,
+                 "offline_accepted_by_temperature": {"0.0": acc0 + i % 3, "1.0": acc1 + i % 3 / 2},
+                 "engine_by_temperature": {"0.0": {"steps": 8, "accepted": acc0 + i % 2},
+                                           "1.0": {"steps": 9, "accepted": acc1 + i % 2}}} for i in range(30)]
+
+    for name, (a0, a1) in {"exact": (6, 4), "sampled": (6, 5), "sampled_retokenized": (6, 5)}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "per_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(a0, a1)))
+    d = diff_to(tmp_path, "sampled", ["exact"], temperatures=[0.0, 1.0])
+    t1 = d["by_temperature"]["1.0"]
+    assert d["by_temperature"]["0.0"]["tau_engine"] == 0 and t1["tau_engine"] == pytest.approx(1 / 9, abs=1e-3)
+    assert t1["tau_engine_ci95"][0] > 0 and t1["tau_offline"] == pytest.approx(0.1, abs=1e-3)
+    same = diff_to(tmp_path, "sampled_retokenized", ["sampled"], temperatures=[0.0, 1.0])
+    assert same["reference"] == "sampled" and same["by_temperature"]["1.0"]["tau_engine"] == 0
+    # exact's other seeds measured offline only: the engine Δτ takes the seeds that have it
+    (tmp_path / "exact_seed1").mkdir()
+    off = [r | {"engine_steps": None, "engine_accepted": None, "engine_by_temperature": {}} for r in rows(6, 4)]
+    (tmp_path / "exact_seed1" / "per_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in off))
+    two = diff_to(tmp_path, "sampled", ["exact", "exact_seed1"], temperatures=[1.0])
+    assert two["engine_reference_seeds"] == 1 and two["offline_reference_seeds"] == 2
+    assert two["by_temperature"]["1.0"]["tau_engine"] == t1["tau_engine"]
+
+    f = {"prompts": 30, "tau_engine": 1.75, "tau_engine_ci95": [1.7, 1.8], "tau_offline": 1.7,
+         "tau_offline_ci95": [1.6, 1.8], "per_position": [0.5, 0.2, 0.1], "per_position_engine": None, "lossless": True,
+         "offline_by_temperature": {"0.0": {"tau": 1.7, "tau_ci95": [1.6, 1.8], "per_position": [0.5, 0.2, 0.1]},
+                                    "1.0": {"tau": 1.5, "tau_ci95": [1.4, 1.6], "per_position": [0.4, 0.1, 0.0]}},
+         "engine_by_temperature": {"0.0": {"tau": 1.75, "tau_ci95": [1.7, 1.8]},
+                                   "1.0": {"tau": 1.52, "tau_ci95": [1.45, 1.6]}}}
+    s = {"eval": {"temperatures": [0.0, 1.0]},
+         "variants": [{"variant": "exact", "train_tokens": 100, "per_dataset": {"humaneval": f}},
+                      {"variant": "sampled", "train_tokens": 90, "per_dataset": {"humaneval": f},
+                       "diff_to_exact": d},
+                      {"variant": "sampled_retokenized", "train_tokens": 90, "per_dataset": {"humaneval": f},
+                       "diff_to_exact": d, "diff_to": same}]}
+    tt = temperature_table(s)
+    assert list(tt.loc[tt["T"] == 1.0, "τ engine"]) == [1.52] * 3
+    dt = diff_temperature_table(s)
+    assert list(zip(dt["variant"], dt["against"], dt["T"])) == [
+        ("sampled", "exact", 0.0), ("sampled", "exact", 1.0), ("sampled_retokenized", "exact", 0.0),
+        ("sampled_retokenized", "exact", 1.0), ("sampled_retokenized", "sampled", 0.0),
+        ("sampled_retokenized", "sampled", 1.0)]
+    md = summary_markdown(s)
+    assert "| exact | humaneval | 1.520 (1.45–1.60) | 1.500 (1.40–1.60) |" in md
+    assert f"| sampled | exact | 1 | **" not in md and f"| sampled | exact | 1 | {t1['tau_engine']:+.3f}" in md

@@ -370,7 +370,7 @@ def cmd_value(args: argparse.Namespace) -> int:
     from eagle3data.value.run import value_cli  # the stage only for this command
 
     with hold_run(Path(args.run), "06_value", create=False):
-        return value_cli(args.run, variants=args.variants)
+        return value_cli(args.run, variants=args.variants, overrides=dict(args.p or []))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -449,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "length (exit 3 when stopped; run again to resume)")
     v.add_argument("run", help="run folder with 04's store and 05's speculators hand-off, e.g. outputs/value")
     v.add_argument("--variants", nargs="+", help="variants to train and compare (default: the run's value.variants)")
+    v.add_argument("-p", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                   help="override a value.* param of the run's (e.g. -p value.eval.temperatures '[0.0, 1.0]')")
     v.set_defaults(func=cmd_value)
 
     pr = sub.add_parser("prompts", help="show what a prompt dataset turns into (counts, rejected rows, examples)")

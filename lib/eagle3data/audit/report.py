@@ -15,6 +15,7 @@ from typing import Any
 from eagle3data.audit.checks import CHECK_NAMES, iter_checks
 from eagle3data.audit.overview import VALUE_ID, VERIFY_ID, hidden_dir_of, summary_html
 from eagle3data.core.params import params_for_display, repo_root
+from eagle3data.core.params.hidden import storage_default_text
 from eagle3data.core.stats import upper95_text
 
 # Cells with this tag run and keep their outputs in the executed notebook (nbval compares them; the
@@ -81,8 +82,6 @@ def value_html(run_dir: Path) -> str:
     import html
     import json
 
-    from eagle3data.core.params.hidden import storage_default_text
-
     path = Path(run_dir) / "value" / "summary.json"
     if not path.exists():
         return ""
@@ -99,7 +98,8 @@ def value_html(run_dir: Path) -> str:
                         f"</td><td>{pos}</td><td>{f['lossless']}</td></tr>")
     imgs = "".join(f'<img style="max-width:48%" alt="{n}" src="data:image/png;base64,'
                    f'{base64.b64encode((path.parent / n).read_bytes()).decode()}">'
-                   for n in ("tau_diff.png", "tau_positions.png", "train_loss.png") if (path.parent / n).exists())
+                   for n in ("tau_diff.png", "tau_positions.png", "train_loss.png", "tau_size.png")
+                   if (path.parent / n).exists())
     diffs = []
     for v in s["variants"]:
         d = v.get("diff_to_exact")

@@ -41,20 +41,77 @@ def diff_table(summary: dict[str, Any]) -> Any:
     return pd.DataFrame(rows)
 
 
+def _ci_text(ci: Any) -> str:
+    return f"{ci[0]}–{ci[1]}" if ci and ci[0] is not None else ""
+
+
 def temperature_table(summary: dict[str, Any]) -> Any:
-    """Offline τ per variant, evaluation set and sampling temperature (`eval.temperatures`; vLLM's greedy drafts
-    against the target's tempered distribution, sampling.py), with 95% intervals over prompts."""
+    """τ per variant, evaluation set and sampling temperature (`eval.temperatures`), with 95% intervals over prompts:
+    offline (vLLM's greedy drafts against the target's tempered distribution, sampling.py) and, where the engine
+    served the variant at that temperature, the engine's (its rejection sampler, seeded requests)."""
     import pandas as pd
 
     rows = []
     for v in summary["variants"]:
         for ds, f in v["per_dataset"].items():
+            eng = f.get("engine_by_temperature") or {}
             for t, x in (f.get("offline_by_temperature") or {}).items():
-                ci = x.get("tau_ci95") or [None, None]
-                rows.append({"variant": v["variant"], "evaluation set": ds, "T": float(t), "τ offline": x["tau"],
-                             "95%": f"{ci[0]}–{ci[1]}" if ci[0] is not None else "",
-                             "per position": " / ".join(f"{p:.0%}" for p in x["per_position"] if p is not None)})
+                e = eng.get(t) or {}
+                rows.append({"variant": v["variant"], "evaluation set": ds, "T": float(t),
+                             "τ engine": e.get("tau"), "engine 95%": _ci_text(e.get("tau_ci95")),
+                             "τ offline": x["tau"], "offline 95%": _ci_text(x.get("tau_ci95")),
+                             "per position (offline)": " / ".join(f"{p:.0%}" for p in x["per_position"]
+                                                                  if p is not None)})
     return pd.DataFrame(rows)
+
+
+def _diffs(v: dict[str, Any]) -> list[dict[str, Any]]:
+    """A variant's Δτ records: to exact, and to the variant it was made from (`diff_to`), each with its reference."""
+    return [d | {"reference": d.get("reference") or "exact"} for d in (v.get("diff_to_exact"), v.get("diff_to")) if d]
+
+
+def diff_temperature_table(summary: dict[str, Any]) -> Any:
+    """Each variant against its references per sampling temperature: Δτ paired over the same prompts, engine (where
+    both sides were served at T) and offline, 95% intervals (sampled against exact: what regenerating sampled is worth
+    at the temperature one serves)."""
+    import pandas as pd
+
+    rows = []
+    for v in summary["variants"]:
+        for d in _diffs(v):
+            for t, x in (d.get("by_temperature") or {}).items():
+                rows.append({"variant": v["variant"], "against": d["reference"], "T": float(t),
+                             "Δτ engine": x.get("tau_engine"), "engine 95%": _ci_text(x.get("tau_engine_ci95")),
+                             "Δτ offline": x.get("tau_offline"), "offline 95%": _ci_text(x.get("tau_offline_ci95"))})
+    return pd.DataFrame(rows)
+
+
+def size_figure(summary: dict[str, Any]) -> Any:  # None without a size curve
+    """τ against training tokens (log axis) over the data-size points, the fitted line, and the slope per doubling
+    with its interval."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sl = summary.get("size_slope")
+    if not sl:
+        return None
+    x = np.asarray([p["tokens"] for p in sl["points"]], dtype=float)
+    y = [p["tau"] for p in sl["points"]]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot(x, y, "o", color="C0")
+    for xi, yi, n in zip(x, y, sl["variants"]):
+        ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    xs = np.geomspace(x.min(), x.max(), 50)
+    ax.plot(xs, sl["intercept"] + sl["slope_per_doubling"] * np.log2(xs), color="C0", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training tokens (log scale)")
+    ax.set_ylabel(f"τ ({sl['tau']}, pooled)")
+    ci = sl["ci95"]
+    ax.set_title(f"τ per doubling of data: {sl['slope_per_doubling']:+.3f} (95% {ci[0]:+.3f} to {ci[1]:+.3f})",
+                 fontsize=10)
+    fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's value
+    return fig
 
 
 def seed_table(summary: dict[str, Any]) -> Any:
@@ -114,6 +171,7 @@ def diff_figure(summary: dict[str, Any]) -> Any:  # None when only exact ran
     ax.set_xlabel("τ(variant) − τ(exact), 95% interval, paired over prompts")
     ax.set_title("What each guarantee is worth")
     fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's value (not again by the inline backend)
     return fig
 
 
@@ -139,6 +197,7 @@ def position_figure(summary: dict[str, Any]) -> Any:
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle("Acceptance by draft position", fontsize=10)
     fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's value (not again by the inline backend)
     return fig
 
 
@@ -157,6 +216,7 @@ def loss_figure(run_dir: Path, summary: dict[str, Any]) -> Any:
         ax.legend(fontsize=8)
     ax.set_title("Training loss")
     fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's value (not again by the inline backend)
     return fig
 
 
@@ -193,15 +253,28 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             out.append(f"| {v['variant']} | {te} | {to} | {'yes' if d['significant'] else 'no'} | {res} | {ver} | "
                        f"{v['train_tokens']:,} |")
     temps = [t for t in (summary.get("eval") or {}).get("temperatures") or [0.0] if t]
-    if temps:  # offline τ at the sampling temperatures (T = 0 is the table above's offline column)
-        out += ["", "| variant | evaluation set | " + " | ".join(f"τ offline T={t:g} (95%)" for t in temps) + " |",
-                "|---|---|" + "---|" * len(temps)]
+    if temps:  # τ at the sampling temperatures (T = 0 is the table above), engine where it served them
+        def cell(x: Any) -> str:
+            return f"{x['tau']:.3f} {ci(x['tau_ci95'])}" if x and x.get("tau") is not None else "–"
+
+        out += ["", "| variant | evaluation set | " + " | ".join(f"τ engine T={t:g} (95%) | τ offline T={t:g} (95%)"
+                                                             for t in temps) + " |",
+                "|---|---|" + "---|---|" * len(temps)]
         for v in summary["variants"]:
             for ds, f in v["per_dataset"].items():
-                by = f.get("offline_by_temperature") or {}
-                cells = [f"{by[str(float(t))]['tau']:.3f} {ci(by[str(float(t))]['tau_ci95'])}"
-                         if by.get(str(float(t))) and by[str(float(t))]["tau"] is not None else "–" for t in temps]
+                off, eng = f.get("offline_by_temperature") or {}, f.get("engine_by_temperature") or {}
+                cells = [f"{cell(eng.get(str(float(t))))} | {cell(off.get(str(float(t))))}" for t in temps]
                 out.append(f"| {v['variant']} | {ds} | " + " | ".join(cells) + " |")
+        rows = [(v["variant"], d["reference"], t, x) for v in summary["variants"] for d in _diffs(v)
+                for t, x in (d.get("by_temperature") or {}).items()]
+        if rows:
+            def dcell(x: Any, kind: str) -> str:
+                e = x.get(f"tau_{kind}")
+                return f"{e:+.3f} {ci(x.get(f'tau_{kind}_ci95'), 3)}" if e is not None else "–"
+
+            out += ["", "| variant | against | T | Δτ engine (95%) | Δτ offline (95%) |", "|---|---|---|---|---|"]
+            out += [f"| {n} | {r} | {float(t):g} | {dcell(x, 'engine')} | {dcell(x, 'offline')} |"
+                    for n, r, t, x in rows]
     sp = summary.get("seed_spread")
     if sp:  # exact over its training seeds, and each difference judged against evaluation and seed noise
         out += ["", f"exact over seeds {sp['seeds']}:", "", "| evaluation set | τ | mean | sd | min–max |",
@@ -214,4 +287,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             out += ["", "| variant | Δτ | 95%, evaluation and seeds | significant |", "|---|---|---|---|"]
             out += [f"| {n} | {j['diff']:+.3f} | {ci(j['ci95'], 3)} | {'yes' if j['significant'] else 'no'} |"
                     for n, j in judged]
+    sl = summary.get("size_slope")
+    if sl:
+        fit = f"; fit {ci(sl['ci95_fit'], 3)}" if sl.get("ci95_fit") else ""
+        out += ["", f"τ per doubling of training tokens ({sl['tau']}, {', '.join(sl['variants'])}): "
+                    f"{sl['slope_per_doubling']:+.3f} {ci(sl['ci95'], 3)}{fit}; points "
+                    + ", ".join(f"{p['tokens']:,} tokens τ {p['tau']:.3f}" for p in sl["points"])]
     return "\n".join(out)

@@ -26,30 +26,30 @@ from eagle3data.audit.report import render_report
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
-from eagle3data.core.params.hidden import default_storage, storage_default_text
+from eagle3data.core.params.run import with_overrides
+from eagle3data.core.params.hidden import storage_default_text
+from eagle3data.core.peer_logs import peers_to_log
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.progress import Progress
 from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
 from eagle3data.generate.backends.vllm_server import model_dir
-from eagle3data.value.engine import serve
+from eagle3data.value.compare import _per_prompt, diff_to, diff_to_exact, storage_decision
+from eagle3data.value.engine import serve, serve_temperatures
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
 from eagle3data.value.online import online_handoff, train_online
-from eagle3data.value.plots import diff_figure, loss_figure, position_figure, summary_markdown
+from eagle3data.value.plots import diff_figure, loss_figure, position_figure, size_figure, summary_markdown
 from eagle3data.value.sampling import offline_by_temperature, target_head_of, temperature_key
-from eagle3data.value.spread import KINDS, judge_diff, paired_diff, ratio_ci, seed_spreads, size_curve
-from eagle3data.value.train import (DRAFT_DIR, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
+from eagle3data.value.spread import ratio_ci, seed_spreads, size_curve
+from eagle3data.value.train import (DRAFT_DIR, PEER_LOG, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft, training_identity)
-from eagle3data.value.variants import VARIANTS, VariantData, variant_data
+from eagle3data.value.variants import COMPARED_WITH, GENERATED, VARIANTS, VariantData, variant_data
 
 HANDOFF = Path("export") / "speculators"
-# The storage rule (docs/04, docs/06): an 8-bit storage becomes a layout's default only when the 95% interval of its
-# engine-τ difference to `exact` proves it loses at most this share of exact's τ (its lower bound >= -share x τ).
-MAX_STORAGE_LOSS = 0.01
 # the variants that differ from exact by their number of training rows only: the data-size curve's points
-SIZE_POINTS = ("half", "exact")
+SIZE_POINTS = ("quarter", "half", "exact", "double")
 
 
 @dataclass
@@ -64,6 +64,7 @@ class ValuePlan:
     excluded_rows: int
     variants: list[str]
     held_out: dict[str, Any] = field(default_factory=dict)
+    held_convs: frozenset[str] = frozenset()  # the held-out conversations' keys (never trained on, in any variant)
 
     def table(self) -> Any:
         import pandas as pd
@@ -89,6 +90,15 @@ def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
         raise ValueStageError(f"value.variants: unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}")
     if "online" in params.value.variants:  # refused now, not after the variants before it have trained
         online_handoff(run_dir)
+    for v, ref in COMPARED_WITH.items():
+        if v in params.value.variants and ref not in params.value.variants:
+            raise ValueStageError(f"value.variants: {v} is compared with {ref}; add {ref} to value.variants")
+    if "double" in params.value.variants and (nolimit := [d.name for d in params.datasets if d.limit is None]):
+        raise ValueStageError(f"datasets: {nolimit[0]} has no limit: variant double doubles each dataset's limit")
+    bad = [v for v in params.value.eval.engine_variants or [] if v not in params.value.variants]
+    if bad:
+        raise ValueStageError(f"value.eval.engine_variants: {bad[0]!r} is not in value.variants "
+                              f"{params.value.variants}")
     if exact_seeds(params)[1:] and "exact" not in params.value.variants:
         raise ValueStageError("value.train.seeds: the seeds spread exact's τ; value.variants has no exact")
     info = json.loads(info_path.read_text(encoding="utf-8"))
@@ -114,100 +124,11 @@ def plan_value(params: RunParams, *, tokenizer: Any = None) -> ValuePlan:
     return ValuePlan(run_dir, handoff, Path(model_dir(params)), layer_ids, evals, rows, train_keys,
                      len(keys) - len(rows), list(params.value.variants),
                      {"ok": True, "by_key": True, "by_text": True, "held_out_conversations": len(held_convs),
-                      "excluded_rows": len(keys) - len(rows), "humaneval": sum(e.dataset == "humaneval" for e in evals)})
+                      "excluded_rows": len(keys) - len(rows), "humaneval": sum(e.dataset == "humaneval" for e in evals)},
+                     frozenset(held_convs))
 
 
 # ----------------------------------------------------------------------------------------------- figures
-
-
-def _per_prompt(vdir: Path, variant: str) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (vdir / variant / "per_prompt.jsonl").read_text(encoding="utf-8").splitlines() if x]
-
-
-def diff_to_exact(vdir: Path, variant: str, seed: int = 0, exact_folders: Sequence[str] = ("exact",),
-                  spread: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A variant's τ difference to `exact`, engine and offline, paired over the same evaluation prompts, pooled over
-    the evaluation datasets; where the interval holds 0, how many evaluation tokens would resolve the difference
-    (the interval narrows as 1/√tokens). With exact trained on several seeds (`exact_folders`), exact's side is
-    each prompt's counts summed over its seeds, and the difference is judged (`judged`, `significant`) against the
-    evaluation interval widened by the seed spread (`spread[kind]`: `seed_spread` of the pooled τ; spread.py's rule);
-    otherwise against the evaluation interval alone."""
-    exs, va = [_per_prompt(vdir, f) for f in exact_folders], _per_prompt(vdir, variant)
-    for f, ex in zip(exact_folders, exs):
-        if [(p["dataset"], p["sample_id"]) for p in ex] != [(p["dataset"], p["sample_id"]) for p in va]:
-            raise ValueStageError(f"{vdir / variant / 'per_prompt.jsonl'}: not the evaluation prompts of {f}'s")
-    out: dict[str, Any] = {"prompts": len(va), "exact_seeds": len(exs)}
-    for kind, num, den in KINDS:
-        if any(p[num] is None for ex in exs for p in ex + va):
-            out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = None, None
-            continue
-        base = [(sum(ex[i][num] for ex in exs), sum(ex[i][den] for ex in exs)) for i in range(len(va))]
-        est, ci = paired_diff(base, [(p[num], p[den]) for p in va], seed)
-        out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = est, ci
-    ref = _eval_tokens(vdir)
-    out["eval_tokens"] = ref
-    kind = "engine" if out.get("tau_engine") is not None else "offline"
-    est, ci = out[f"tau_{kind}"], out[f"tau_{kind}_ci95"]
-    sd = (spread or {}).get(kind) or {}
-    out["judged"] = (judge_diff(est, ci, sd.get("sd"), sd["seeds"] - 1 if sd.get("sd") is not None else None,
-                                seeds_a=len(exs), seeds_b=1) if ci else None)
-    out["significant"] = bool(out["judged"]) and out["judged"]["significant"]
-    half = (ci[1] - ci[0]) / 2 if ci else None
-    out["eval_tokens_to_resolve"] = (None if out["significant"] or not est or not half
-                                     else int(ref * (half / abs(est)) ** 2) + 1)
-    return out
-
-
-def _eval_tokens(vdir: Path) -> int:
-    path = vdir / "reference.jsonl"
-    return sum(len(json.loads(x)["output_ids"]) for x in path.read_text(encoding="utf-8").splitlines() if x) \
-        if path.exists() else 0
-
-
-STORAGE_OF = {"int8": ("shards", "int8", "channel_rms"), "fp8": ("speculators", "fp8_e4m3", "token")}
-
-
-def storage_decision(summary: dict[str, Any]) -> dict[str, Any]:
-    """The default `hidden.storage` per layout from the table, by the written rule (MAX_STORAGE_LOSS)."""
-    by = {v["variant"]: v for v in summary["variants"]}
-    ex = by["exact"]["per_dataset"]
-    kind = "engine" if all(f["tau_engine"] is not None for f in ex.values()) else "offline"
-    # exact's τ pooled over the evaluation datasets, weighted by their prompts
-    tau = sum(f[f"tau_{kind}"] * f["prompts"] for f in ex.values()) / sum(f["prompts"] for f in ex.values())
-    limit = round(-MAX_STORAGE_LOSS * tau, 4)
-    out: dict[str, Any] = {"rule": f"an 8-bit storage becomes its layout's default only when the lower end of the 95% "
-                                   f"interval of its {kind}-τ difference to exact is at least -{MAX_STORAGE_LOSS:.0%} "
-                                   f"of exact's τ ({limit}); otherwise bf16 stays",
-                           "tau_exact": round(tau, 4), "limit": limit,
-                           # a layout whose 8-bit variant did not run is not decided here (None: not measured);
-                           # specforge reads bf16 only
-                           "default": {"shards": None, "speculators": None, "specforge": "bf16"}}
-    rt = by.get("retokenized") or {}
-    same = ((rt.get("data") or {}).get("ids_differ_from_exact") or {}).get("differ") == 0
-    if same and rt.get("diff_to_exact", {}).get(f"tau_{kind}_ci95"):  # the same ids, states and draft made again
-        d = rt["diff_to_exact"]
-        out["noise_floor"] = {"by": "retokenized (its ids equal exact's: the same ids through a second 04, other "
-                                    "batches, trained in the same order)",
-                              "diff": d[f"tau_{kind}"], "ci95": d[f"tau_{kind}_ci95"],
-                              "note": "what recomputing the states of the same ids gives; the intervals cover the "
-                                      "evaluation prompts, not training's own variance (seed, row order)"}
-    for v, (layout, storage, scale) in STORAGE_OF.items():
-        d = (by.get(v) or {}).get("diff_to_exact")
-        if not d or not d.get(f"tau_{kind}_ci95"):
-            out[v] = {"measured": False}
-            continue
-        free = d[f"tau_{kind}_ci95"][0] >= limit
-        out[v] = {"measured": True, "layout": layout, "storage": f"{storage}/{scale}", "diff": d[f"tau_{kind}"],
-                  "ci95": d[f"tau_{kind}_ci95"], "free": free}
-        out["default"][layout] = storage if free else "bf16"
-    # what 04 stores today when `hidden.storage` is not given (params DEFAULT_STORAGE): does it follow this table,
-    # on the layouts this table measured? None where it measured no 8-bit storage (a run of other variants)
-    out["params_default"] = {layout: default_storage(layout)[0] for layout in out["default"]}
-    measured = [layout for layout, _, _ in STORAGE_OF.values() if out["default"][layout] is not None]
-    out["params_follow"] = (all(out["params_default"][x] == out["default"][x] for x in out["default"]
-                                if out["default"][x] is not None) if measured else None)
-    return out
-
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -308,22 +229,54 @@ def _add_temperatures(prev: dict[str, Any], out: Path, seqs: list[EvalSeq], head
     return prev
 
 
+def _engine_temperatures(params: RunParams, variant: str, folder: str | None = None) -> list[float]:
+    """The temperatures the engine serves this variant's draft at: none without the engine, where
+    `eval.engine_variants` leaves it out, or for exact's other seeds when `engine_variants` is given (their spread is
+    offline τ's: the engine's decoding is most of a variant's time); else T = 0 (the lossless check) and every
+    `eval.temperatures`."""
+    ev = params.value.eval
+    if not ev.engine or (ev.engine_variants is not None and (variant not in ev.engine_variants
+                                                             or (folder or variant) != variant)):
+        return []
+    return [0.0] + [float(t) for t in ev.temperatures if t]
+
+
+def _check_leaks(params: RunParams, plan: ValuePlan, vd: VariantData) -> None:
+    """A regenerated variant's training rows hold no evaluation prompt (by key or text: evalset.leak_problems)."""
+    keys = [str(k) for k in json.loads((vd.handoff / "handoff.json").read_text(encoding="utf-8"))["keys"]]
+    train = [keys[i] for i in vd.rows]
+    by_key = {str(SampleKey.of(r)): r for r in read_run(vd.handoff.parents[1], rebuilt=False, verdicts=False).records()}
+    problems = leak_problems(plan.evals, train, {k: by_key.get(k, {}) for k in train}, str(vd.handoff / "handoff.json"))
+    if problems:
+        raise ValueStageError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
 def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
                 say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None) -> dict[str, Any]:
     """Build (or keep) one variant's data, train (or resume) its draft, then measure it offline (at every
     `eval.temperatures`, with the target's `head`) and through the engine. `folder`: `value/<folder>/` (default the
-    variant's name; exact's other seeds)."""
+    variant's name; exact's other seeds). The peer libraries' log lines go to `value/<folder>/peers.log`."""
+    out = plan.run_dir / "value" / (folder or variant)
+    out.mkdir(parents=True, exist_ok=True)
+    with peers_to_log(out / PEER_LOG):
+        return _run_variant(params, plan, variant, seqs, say, head, folder)
 
+
+def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
+                 say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None) -> dict[str, Any]:
     tp, ev = params.value.train, params.value.eval
     folder = folder or variant
     out = plan.run_dir / "value" / folder
     done = out / "result.json"
     vd = variant_data(params, variant, plan.handoff, plan.train_rows, plan.train_keys, say,
-                      stop=stop_requested(plan.run_dir))
+                      stop=stop_requested(plan.run_dir), held=plan.held_convs)
+    if variant in GENERATED:  # prompts of its own: none may be an evaluation prompt
+        _check_leaks(params, plan, vd)
     fp = _fingerprint(params, plan, variant, vd)
+    engine_temps = _engine_temperatures(params, variant, folder)
     if done.exists():
         prev = json.loads(done.read_text(encoding="utf-8"))
-        if prev.get("fingerprint") == fp:
+        if prev.get("fingerprint") == fp and prev.get("engine_temperatures", [0.0] if ev.engine else []) == engine_temps:
             say(f"{folder}: finished earlier, kept ({done})")
             prev = _add_temperatures(prev, out, seqs, head, params, say)
             return prev | ({"data": vd.info} if vd.info else {})  # what is known of its data now
@@ -349,15 +302,18 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
     by_t = offline_by_temperature(draft, seqs, head, K, ev.temperatures, tp.seed, greedy=offline)
     temps_s = time.monotonic() - t0 - offline_s
     del draft
-    served, info = (serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
-                          stage=f"06_{folder}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency, say=say,
-                          stop=stop_requested(plan.run_dir))
-                    if ev.engine else ([None] * len(seqs), {}))
+    engine = bool(engine_temps)
+    by_temp, info = (serve_temperatures(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
+                                        stage=f"06_{folder}", draft_dir=tr.draft_dir, k=K, concurrency=ev.concurrency,
+                                        say=say, stop=stop_requested(plan.run_dir), temperatures=engine_temps,
+                                        seed=ev.seed)
+                     if engine else ({0.0: [None] * len(seqs)}, {}))
+    served = by_temp[0.0]
     per_prompt, per_ds = [], {}
     lossless_all = True
-    for e, s, o, sv, bt in zip(plan.evals, seqs, offline, served, by_t[0]):
+    for i, (e, s, o, sv, bt) in enumerate(zip(plan.evals, seqs, offline, served, by_t[0])):
         ref = s.input_ids[s.prompt_len:]
-        lossless = None if sv is None else sv.ids == ref
+        lossless = None if sv is None else sv.ids == ref  # T = 0 only: at T > 0 lossless in distribution
         lossless_all &= lossless is not False
         per_prompt.append({"dataset": e.dataset, "sample_id": e.sample_id, "anchors": o.anchors,
                            "offline_accepted": sum(o.accepted), "tau_offline": o.tau,
@@ -365,37 +321,51 @@ def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Eva
                            "engine_steps": None if sv is None else sv.steps,
                            "engine_accepted": None if sv is None else sv.accepted,
                            "tau_engine": None if sv is None else sv.tau, "lossless": lossless,
-                           "per_step_accepted": None if sv is None else sv.per_step})
+                           "per_step_accepted": None if sv is None else sv.per_step,
+                           "engine_by_temperature": {temperature_key(T): {"steps": r[i].steps, "accepted": r[i].accepted}
+                                                     for T, r in by_temp.items() if r[i] is not None}})
     for ds in dict.fromkeys(e.dataset for e in plan.evals):
         idx = [i for i, e in enumerate(plan.evals) if e.dataset == ds]
         pp = [per_prompt[i] for i in idx]
         t_off, ci_off = ratio_ci([p["offline_accepted"] for p in pp], [p["anchors"] for p in pp], tp.seed)
         t_eng, ci_eng = (ratio_ci([p["engine_accepted"] for p in pp], [p["engine_steps"] for p in pp], tp.seed)
-                         if ev.engine else (None, None))
+                         if engine else (None, None))
         steps = [a for p in pp for a in (p["per_step_accepted"] or [])]
         per_ds[ds] = {"prompts": len(pp), "tau_offline": t_off, "tau_offline_ci95": ci_off, "tau_engine": t_eng,
                       "tau_engine_ci95": ci_eng,
                       "per_position": per_position([offline[i] for i in idx], K),
                       "per_position_engine": ([round(sum(a >= k for a in steps) / len(steps), 4) for k in range(1, K + 1)]
                                               if steps else None),
-                      "lossless": None if not ev.engine else all(p["lossless"] for p in pp),
+                      "lossless": None if not engine else all(p["lossless"] for p in pp),
                       "not_lossless": [p["sample_id"] for p in pp if p["lossless"] is False],
-                      "offline_by_temperature": by_t[1].get(ds)}
+                      "offline_by_temperature": by_t[1].get(ds),
+                      "engine_by_temperature": {t: dict(zip(("tau", "tau_ci95"), ratio_ci(
+                          [p["engine_by_temperature"][t]["accepted"] for p in pp],
+                          [p["engine_by_temperature"][t]["steps"] for p in pp], tp.seed)))
+                          for t in map(temperature_key, engine_temps)}}
     pooled = {k: info.get("counters", {}).get(f"spec_decode_num_{k}") for k in ("drafts", "accepted_tokens")}
     check = None
-    if ev.engine:
+    if engine:  # per temperature: the per-request figures summed equal that pass's counters
         check = {"per_request_steps": sum(p["engine_steps"] or 0 for p in per_prompt),
                  "per_request_accepted": sum(p["engine_accepted"] or 0 for p in per_prompt),
                  "counters_drafts": pooled["drafts"], "counters_accepted": pooled["accepted_tokens"]}
         check["agree"] = (check["per_request_steps"] == check["counters_drafts"]
                           and check["per_request_accepted"] == check["counters_accepted"])
+        for t, bt_info in (info.get("by_temperature") or {}).items():
+            c = bt_info["counters"]
+            check.setdefault("by_temperature", {})[t] = ok = (
+                sum(p["engine_by_temperature"][t]["steps"] or 0 for p in per_prompt) == c.get("spec_decode_num_drafts")
+                and sum(p["engine_by_temperature"][t]["accepted"] or 0 for p in per_prompt)
+                == c.get("spec_decode_num_accepted_tokens"))
+            check["agree"] &= ok
     result = {"variant": variant, "folder": folder, "seed": tp.seed, "about": VARIANTS[variant],
               "draft_dir": str(tr.draft_dir),
               "train_tokens": tr.train_tokens, "train_samples": len(rows), "steps": tr.steps, "seconds": tr.seconds,
               "tokens_per_s": round(tr.train_tokens / tr.seconds, 1) if tr.seconds else None,
               "final_loss": tr.log[-1]["loss"] if tr.log else None, "offline_s": round(offline_s, 1),
               "offline_temperatures_s": round(temps_s, 1),
-              "engine": info, "counters_check": check, "lossless": lossless_all if ev.engine else None,
+              "engine": info, "engine_temperatures": engine_temps, "counters_check": check,
+              "lossless": lossless_all if engine else None,
               "per_dataset": per_ds, "data": vd.info, "fingerprint": fp}
     if "verify_hidden" in vd.info:
         result["verify_hidden"] = vd.info["verify_hidden"]
@@ -434,7 +404,8 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
         raise ValueStageError(f"{plan.run_dir / 'hidden' / 'index.json'}: the store's layers {plan.layer_ids} are not "
                           f"the profile's plan {list(layers.hf_indices)} for this model")
     say(f"target states over {len(seqs)} evaluation sequences")
-    target_states(model, layers, seqs)
+    with peers_to_log(vdir / PEER_LOG):
+        target_states(model, layers, seqs)
     head = target_head_of(model)  # the final norm and head only: offline τ at T > 0 needs the target's distribution
     del model
     results = [run_variant(params, plan, v, seqs, say, head) for v in plan.variants]
@@ -446,6 +417,7 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                            [_per_prompt(vdir, f) for f in exact_folders], seeds) if seed_runs else None)
     ev = params.value.eval
     tp_seed = params.value.train.seed
+    temps = sorted({0.0, *map(float, ev.temperatures)})  # the differences at every temperature measured
     counts: dict[str, int] = {}
     for e in plan.evals:
         counts[e.dataset] = counts.get(e.dataset, 0) + 1
@@ -461,12 +433,17 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                             | ({"verify_hidden": r["verify_hidden"]} if "verify_hidden" in r else {})
                             | ({"online": r["online"]} if "online" in r else {})
                             | ({"data": {k: r["data"].get(k) for k in ("records", "api_records", "proof_levels",
-                                                                        "ids_differ_from_exact", "mix",
+                                                                        "ids_differ_from_exact", "ids_differ_from_sampled",
+                                                                        "generate", "audit", "mix",
                                                                         "extract", "seconds") if k in r["data"]}}
                                if r.get("data") else {})
+                            | ({"engine_temperatures": r.get("engine_temperatures")})
                             | ({"diff_to_exact": diff_to_exact(vdir, r["variant"], tp_seed, exact_folders,
-                                                               (spread or {}).get("pooled"))}
+                                                               (spread or {}).get("pooled"), temps)}
                                if r["variant"] != "exact" and "exact" in plan.variants else {})
+                            | ({"diff_to": diff_to(vdir, r["variant"], [COMPARED_WITH[r["variant"]]], tp_seed,
+                                                   (spread or {}).get("pooled"), temps)}
+                               if r["variant"] in COMPARED_WITH else {})
                             for r in results],
                "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}
     if spread:
@@ -474,7 +451,7 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
     by = {r["variant"]: r for r in results}
     size = [(v, by[v]["train_tokens"], [_per_prompt(vdir, f) for f in (exact_folders if v == "exact" else [v])])
             for v in SIZE_POINTS if v in by]
-    if len(size) > 1:  # τ per doubling of training tokens (half and exact: the same rows, in part)
+    if len(size) > 1:  # τ per doubling of training tokens (quarter, half, exact: the same rows, in part; double)
         summary["size_slope"] = size_curve(size, tp_seed, (spread or {}).get("pooled"))
     if "exact" in plan.variants:
         summary["storage_decision"] = storage_decision(summary)
@@ -503,6 +480,8 @@ def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
     figs = [("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))]
     if any(v.get("diff_to_exact") for v in summary["variants"]):
         figs.append(("tau_diff.png", diff_figure(summary)))
+    if summary.get("size_slope"):
+        figs.append(("tau_size.png", size_figure(summary)))
     for name, fig in figs:
         fig.savefig(run_dir / "value" / name, dpi=90, bbox_inches="tight")
         plt.close(fig)
@@ -510,10 +489,12 @@ def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
         render_report(run_dir)
 
 
-def value_cli(run: str, variants: list[str] | None = None) -> int:
-    """`python -m eagle3data value RUN`: the params recorded in the run, 06 on them; exit 3 when stopped (resumable)."""
-
+def value_cli(run: str, variants: list[str] | None = None, overrides: dict[str, Any] | None = None) -> int:
+    """`python -m eagle3data value RUN`: the params recorded in the run (with `-p value.*` overrides), 06 on them;
+    exit 3 when stopped (resumable)."""
     params = params_of_run(Path(run))
+    if overrides:
+        params = with_overrides(params, overrides, run, only="value")
     (params.run_dir / "STOP").unlink(missing_ok=True)  # left by an earlier run: a STOP written from now on is this one's
     if variants:
         params = params.model_copy(update={"value": params.value.model_copy(update={"variants": variants})})

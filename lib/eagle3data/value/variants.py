@@ -21,6 +21,17 @@ ones) and made into a speculators hand-off by 02, 04 and 05 with params, as a us
 - `online`: 05's `export/speculators_online/` as it is (exact's ids, no states): `value.online` trains on it with the
   states generated during training by a vLLM server.
 
+Variants whose data the target generates again, by 01 in `value/<variant>/gen_<hash>/` (a run folder per
+sampling settings: 01 resumes there), the training conversations' records then going through 03 -> 04 -> 05 in `value/<variant>/run/`:
+
+- `sampled`: the run's prompts regenerated at `value.sampled_temperature` (1.0, seeded by the run's
+  `generate.sampling.seed`: as the Kimi params regenerate);
+- `sampled_retokenized`: sampled's records (those its 04 mixed) as an API returns them (text) -> 02 -> 04 -> 05:
+  re-tokenization where the target's output is sampled, and takes splits its tokenizer would not;
+- `double`: each dataset's `limit` doubled (the run's prompts, the first `limit` of the seeded order, and as many
+  new ones), greedy as the run: the data-size curve's point above exact (`quarter` and `half` are exact's first
+  rows). The run's held-out conversations stay out of its training rows; its new prompts are checked for leaks.
+
 A built variant is kept (`value/<variant>/run/built.json`, with its params' fingerprint); a stopped build resumes
 through the stages' own resume (04 keeps what it stored).
 """
@@ -41,12 +52,14 @@ import orjson
 import torch
 
 import eagle3data.hidden.extract as ex
+from eagle3data.audit.run import run_audit
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.export.run import run_export
+from eagle3data.generate.run import run_generate
 from eagle3data.hidden.extract import plan_extract, run_extract
 from eagle3data.hidden.verify.checks import NOT_SAMPLED
 from eagle3data.prompts.load import load_datasets
@@ -64,7 +77,19 @@ VARIANTS = {
     "fp8": "04 stored in fp8_e4m3 with per-token scales (speculators' FP8 files)",
     "online": "05's online hand-off (ids, no states): states generated while training by a vLLM server, through "
               "speculators' online dataset and hs-connectors' file backend",
+    "quarter": "the exact hand-off, the first quarter of its training rows (the data-size curve)",
+    "sampled": "the training prompts regenerated at temperature value.sampled_temperature (seeded) by 01, then 03, "
+               "04, 05",
+    "sampled_retokenized": "sampled's outputs as an API returns them (text), ids rebuilt by 02, states by 04 for "
+                           "those ids (compared with sampled)",
+    "double": "twice the prompts (each dataset's limit doubled: the run's and as many new ones), greedy, by 01, 03, "
+              "04, 05 (the data-size curve)",
 }
+GENERATED = ("sampled", "double")        # 01 makes their records again
+# the variant a derived one is compared with, where that is not exact (paired over the same evaluation prompts)
+COMPARED_WITH = {"sampled_retokenized": "sampled"}
+# the variant a derived one's data is made from, where that is not the run itself
+MADE_FROM = {"sampled_retokenized": "sampled"}
 BUILT = "built.json"
 
 
@@ -95,6 +120,14 @@ def variant_params(params: RunParams, variant: str) -> RunParams:
     elif variant == "fp8":
         hidden |= {"storage": "fp8_e4m3", "storage_scale": "token", "layout": "speculators"}
     data = params.model_dump(mode="json")
+    if variant == "sampled":
+        data["generate"]["sampling"]["temperature"] = params.value.sampled_temperature
+    elif variant == "double":
+        for d in data["datasets"]:
+            if d.get("limit") is None:
+                raise ValueStageError(f"datasets: {d['name']} has no limit: variant double doubles each dataset's "
+                                      "limit (the run's prompts and as many new ones); give the run a limit")
+            d["limit"] *= 2
     data["output_root"] = str(params.run_dir / "value" / variant)
     data["run_name"] = "run"
     data["hidden"] |= hidden
@@ -115,21 +148,26 @@ def _api_records(recs: list[dict[str, Any]], texts: list[Any], provider: str) ->
     return out
 
 
-def variant_records(params: RunParams, variant: str, train_keys: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """The training conversations' records of the run, as this variant's run folder holds them (per dataset)."""
+def variant_records(params: RunParams, variant: str, train_keys: list[str], *, source: Path | None = None,
+                    held: frozenset[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """The training conversations' records of the run (or of `source`, a run folder 01 or another variant made),
+    as this variant's run folder holds them (per dataset). `held`: conversations kept out (the run's held-out
+    evaluation ones); without it, the conversations of `train_keys` are kept."""
     keep = {_conv(k) for k in train_keys}
-    view = read_run(params.run_dir, [d.name for d in params.datasets], rebuilt=False, verdicts=False)
+    view = read_run(source or params.run_dir, [d.name for d in params.datasets], rebuilt=False, verdicts=False)
     out: dict[str, list[dict[str, Any]]] = {}
     tok = profile = replies = None
     for name, lines in view.datasets.items():
-        recs = [r for r in lines.records() if _conv(str(SampleKey.of(r))) in keep]
-        if variant == "retokenized":
+        recs = [r for r in lines.records()
+                if (_conv(str(SampleKey.of(r))) not in held if held is not None
+                    else _conv(str(SampleKey.of(r))) in keep)]
+        if variant in ("retokenized", "sampled_retokenized"):
             exact = [r for r in recs if r.get("output_ids") is not None]
             tok, profile = tok or tokenizer_for(params), profile or get_profile(params.profile)
             turns = turns_from_exact(exact, tok, profile)  # 02's one split of output ids into API text
             recs = _api_records(exact, [{"reasoning": t.reasoning, "content": t.content, "tool_calls": t.tool_calls,
                                          "finish_reason": r["finish_reason"], "usage": r.get("usage")}
-                                        for r, t in zip(exact, turns)], "retokenized")
+                                        for r, t in zip(exact, turns)], variant)
         elif variant == "dataset_replies":
             if replies is None:
                 replies = _dataset_replies(params)
@@ -175,21 +213,31 @@ def _states_one_early() -> Iterator[None]:
         ex.open_writer = real
 
 
-def _fingerprint(vp: RunParams, train_keys: list[str]) -> str:
-    # what makes the data: the params but where it goes and 06's own section (the variants asked for, their order)
+def _fingerprint(vp: RunParams, train_keys: list[str], made_from: str | None = None) -> str:
+    # what makes the data: the params but where it goes and 06's own section (the variants asked for, their order),
+    # and the fingerprint of the variant it is made from (sampled_retokenized: sampled's)
     blob = orjson.dumps({"params": vp.model_dump(mode="json", exclude={"output_root", "run_name", "value"}),
-                         "keys": sorted(train_keys)}, option=orjson.OPT_SORT_KEYS)
+                         "keys": sorted(train_keys), "made_from": made_from}, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def build_variant(params: RunParams, variant: str, train_keys: list[str], say: Callable[[str], None],
-                  stop: Callable[[], bool] | None = None) -> VariantData:
-    """Make this variant's hand-off with 02/04/05 in `value/<variant>/run/` (kept when built with the same params);
-    `stop()` is asked between the stages (a stopped build resumes through them)."""
+                  stop: Callable[[], bool] | None = None, *, held: frozenset[str] | None = None) -> VariantData:
+    """Make this variant's hand-off with the stages in `value/<variant>/run/` (kept when built with the same params);
+    `stop()` is asked between the stages (a stopped build resumes through them). `held`: the run's held-out
+    conversations, kept out of a regenerated variant's rows (without it: the conversations of `train_keys`)."""
+    def check_stop(before: str) -> None:
+        if stop is not None and stop():
+            raise ValueStopped(f"{variant}: stopped before {before} (what the stages wrote is kept)")
+
     vp = variant_params(params, variant)
     vrun = vp.run_dir
     handoff = vrun / "export" / "speculators"
-    fp = _fingerprint(vp, train_keys)
+    base = build_variant(params, MADE_FROM[variant], train_keys, say, stop, held=held) if variant in MADE_FROM else None
+    base_keys = [str(k) for k in json.loads((base.handoff / "handoff.json").read_text(encoding="utf-8"))["keys"]
+                 ] if base is not None else None
+    fp = _fingerprint(vp, base_keys or train_keys, base.info.get("fingerprint") if base is not None else None)
+    order = train_keys if base is None else [base_keys[i] for i in base.rows]  # training order: exact's (sampled's)
     built = vrun / BUILT
     if built.exists() and (handoff / "handoff.json").exists():
         info = json.loads(built.read_text(encoding="utf-8"))
@@ -197,18 +245,43 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
             say(f"{variant}: data built earlier, kept ({handoff})")
             if variant == "retokenized" and "ids_differ_from_exact" not in info:
                 info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff)
-            return VariantData(handoff, _rows_of(handoff, train_keys), info)
+            return VariantData(handoff, _train_rows(handoff, order, held if variant in GENERATED or base else None),
+                               info)
+    _start_build(vrun, fp, say)
     t0 = time.monotonic()
+    info: dict[str, Any] = {"variant": variant, "fingerprint": fp}
+    source = None
+    if variant in GENERATED:  # 01 makes the records again, in its own run folder (it resumes there)
+        gp = _generate_params(vp)
+        check_stop("01")
+        say(f"{variant}: 01 generates {sum(d.limit or 0 for d in gp.datasets):,} prompts' outputs "
+            f"(temperature {gp.generate.sampling.temperature}, seed {gp.generate.sampling.seed}, "
+            f"{gp.generate.backend}) into {gp.run_dir}")
+        g = run_generate(gp, progress=False)
+        if g.status != "finished":
+            if stop is not None and stop():
+                raise ValueStopped(f"{variant}: 01 stopped ({g.stop_reason}); what it wrote is kept, it resumes")
+            raise ValueStageError(f"{gp.run_dir / 'ledger.json'}: 01 for variant {variant} ended {g.status}: "
+                                  f"{g.stop_reason}")
+        info["generate"] = {"run": str(gp.run_dir), "temperature": gp.generate.sampling.temperature,
+                            "seed": gp.generate.sampling.seed, "new_records": g.new_records,
+                            "seconds": round(g.seconds, 1)}
+        source = gp.run_dir
+    elif base is not None:
+        source = base.handoff.parents[1]  # the run folder the base variant's 05 exported
     (vrun / "records").mkdir(parents=True, exist_ok=True)
-    recs = variant_records(params, variant, train_keys)
+    recs = variant_records(params, variant, base_keys or train_keys, source=source,
+                           held=held if variant in GENERATED else None)
     for name, rs in recs.items():
         write_atomic(vrun / "records" / f"{name}.jsonl", b"".join(orjson.dumps(r) + b"\n" for r in rs))
-    info: dict[str, Any] = {"variant": variant, "fingerprint": fp, "records": {n: len(r) for n, r in recs.items()}}
-    def check_stop(before: str) -> None:
-        if stop is not None and stop():
-            raise ValueStopped(f"{variant}: stopped before {before} (what the stages wrote is kept)")
+    info["records"] = {n: len(r) for n, r in recs.items()}
+    if variant in GENERATED:  # 03 audits them, as on the run: 04's mix takes only what passed
+        check_stop("03")
+        run_audit(vp, progress=False)
+        a = json.loads((vrun / "audit" / "summary.json").read_text(encoding="utf-8"))
+        info["audit"] = {k: a.get(k) for k in ("records", "records_failed", "records_truncated", "output_tokens")}
 
-    if variant in ("retokenized", "dataset_replies"):
+    if variant in ("retokenized", "dataset_replies", "sampled_retokenized"):
         check_stop("02")
         say(f"{variant}: 02 rebuilds ids from {sum(info['records'].values()):,} records' text")
         rr = run_reconstruct(vp, progress=False)
@@ -242,9 +315,55 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
     run_export(vp)
     if variant == "retokenized":  # 0: the same ids as exact's, so its Δτ is the noise of a second 04 and training
         info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff)
+    if base is not None:  # the rows whose rebuilt ids are not the ids the target sampled
+        info[f"ids_differ_from_{MADE_FROM[variant]}"] = ids_differ(base.handoff, handoff)
     info["seconds"] = round(time.monotonic() - t0, 1)
     write_atomic(built, json.dumps(info, indent=1).encode())
-    return VariantData(handoff, _rows_of(handoff, train_keys), info)
+    return VariantData(handoff, _train_rows(handoff, order, held if variant in GENERATED or base else None), info)
+
+
+STARTED = "building.json"
+STAGE_OUTPUTS = ("records", "reconstruct", "audit", "hidden", "export")
+
+
+def _start_build(vrun: Path, fp: str, say: Callable[[str], None]) -> None:
+    """Before a build: what an earlier build of other data left in the variant's run folder goes (04 resumes by
+    sample key: a store of other ids under the same keys would be kept, and verify-hidden fails it); a stopped
+    build of the same data is resumed."""
+    import shutil
+
+    prev = next((json.loads(f.read_text(encoding="utf-8")).get("fingerprint")
+                 for f in (vrun / BUILT, vrun / STARTED) if f.exists()), None)
+    if prev is not None and prev != fp:
+        say(f"{vrun}: built from other data or params before: its stage outputs are made again")
+        (vrun / BUILT).unlink(missing_ok=True)
+        for name in STAGE_OUTPUTS:
+            shutil.rmtree(vrun / name, ignore_errors=True)
+    vrun.mkdir(parents=True, exist_ok=True)
+    write_atomic(vrun / STARTED, json.dumps({"fingerprint": fp}).encode())
+
+
+def _generate_params(vp: RunParams) -> RunParams:
+    """01's params for a regenerated variant: the variant's, in `value/<variant>/gen_<what 01 reads>/`: a folder per
+    model, datasets and sampling, so 01 resumes only what the same settings began (its resume keeps every record
+    already written: a temperature changed in place would keep the other temperature's records)."""
+    data = vp.model_dump(mode="json")
+    what = {k: data[k] for k in ("model", "datasets", "generate", "profile")}
+    data["run_name"] = "gen_" + hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:8]
+    return RunParams.model_validate(data)
+
+
+def _train_rows(handoff: Path, order: list[str], held: frozenset[str] | None) -> list[int]:
+    """The rows a variant trains on. Without `held`: its rows of `order` (`_rows_of`). With it (a variant with
+    rows of its own: regenerated, or made from one): every row whose conversation is not held out, those of
+    `order` first in its order, then the others in the hand-off's order."""
+    if held is None:
+        return _rows_of(handoff, order)
+    keys = [str(k) for k in json.loads((handoff / "handoff.json").read_text(encoding="utf-8")).get("keys") or []]
+    at = {k: i for i, k in enumerate(keys)}
+    first = [at[k] for k in order if k in at and _conv(k) not in held]
+    seen = set(first)
+    return first + [i for i, k in enumerate(keys) if i not in seen and _conv(k) not in held]
 
 
 def ids_differ(exact: Path, other: Path) -> dict[str, int]:
@@ -271,13 +390,16 @@ def _rows_of(handoff: Path, train_keys: list[str]) -> list[int]:
 
 
 def variant_data(params: RunParams, variant: str, handoff: Path, train_rows: list[int], train_keys: list[str],
-                 say: Callable[[str], None], stop: Callable[[], bool] | None = None) -> VariantData:
+                 say: Callable[[str], None], stop: Callable[[], bool] | None = None, *,
+                 held: frozenset[str] | None = None) -> VariantData:
     """The hand-off and rows this variant trains on."""
     if variant == "exact":
         return VariantData(handoff, list(train_rows))
     if variant == "half":
         return VariantData(handoff, list(train_rows[: max(1, len(train_rows) // 2)]))
+    if variant == "quarter":
+        return VariantData(handoff, list(train_rows[: max(1, len(train_rows) // 4)]))
     if variant == "online":  # 05's own folder, in exact's row order; the states come during training (value.online)
         online = online_handoff(params.run_dir)
         return VariantData(online, _rows_of(online, train_keys), {"fingerprint": handoff_fingerprint(online)})
-    return build_variant(params, variant, train_keys, say, stop)
+    return build_variant(params, variant, train_keys, say, stop, held=held)

@@ -164,6 +164,21 @@ def load_params(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         raise ParamsError(_format_error(e, source)) from None
 
 
+def with_overrides(params: RunParams, overrides: dict[str, Any], source: str, *, only: str | None = None) -> RunParams:
+    """`params` with dotted-key overrides (`-p KEY VALUE`), validated as a params file's; `only`: the one section
+    they may touch (e.g. `value` for a run's 06: the data it was made with stays as made)."""
+    raw = params.model_dump(mode="json", exclude_none=True)
+    for k, v in overrides.items():
+        if only is not None and k.split(".", 1)[0] != only:
+            raise ParamsError(f"param {k} (-p): only {only}.* can be changed here (the rest is what {source} was made with)")
+        _set_path(raw, k, parse_override(v))
+    try:
+        return RunParams.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError(_format_error(e, source + " with overrides " + ", ".join(
+            f"{k}={v!r}" for k, v in overrides.items()))) from None
+
+
 def params_for_display(params: RunParams) -> dict[str, Any]:
     """The params as plain data for notebooks and the report (they hold no secrets by design)."""
     return params.model_dump(mode="json", exclude_none=True)

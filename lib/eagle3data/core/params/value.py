@@ -60,8 +60,13 @@ class ValueEvalParams(Strict):
     engine: bool = Field(True, description="Measure τ through vLLM's speculative decoding (needs `make engine`).")
     temperatures: list[Annotated[float, Field(ge=0)]] = Field(
         default_factory=lambda: [0.0], min_length=1,
-        description="Sampling temperatures offline τ is measured at (0: greedy; T > 0: speculative sampling's "
-                    "acceptance of the draft's greedy tokens, as vLLM drafts); the engine measures T = 0 only.")
+        description="Sampling temperatures τ is measured at (0: greedy), offline (T > 0: speculative sampling's "
+                    "acceptance of the draft's greedy tokens, as vLLM drafts) and through the engine (its rejection "
+                    "sampler, each request seeded; ids equal greedy's is checked at T = 0).")
+    engine_variants: list[str] | None = Field(
+        None, description="Variants measured through the engine as well as offline (None: every variant; exact's "
+                          "other seeds follow exact). The rest are measured offline only: the engine's decoding is "
+                          "most of a variant's time; the two figures' agreement is shown where both ran.")
     server: VLLMServerParams = Field(default_factory=lambda: VLLMServerParams(port=0),
                                      description="The vLLM servers 06 starts (plain and speculative).")
 
@@ -77,5 +82,8 @@ class ValueParams(Strict):
     enabled: bool = Field(False, description="`eagle3data run` runs stage 06 after 05.")
     variants: list[str] = Field(default_factory=lambda: ["exact"], min_length=1,
                                 description="Drafts to train and compare (`exact`: the run's hand-off as it is).")
+    sampled_temperature: float = Field(1.0, gt=0, le=2, description="Temperature the `sampled` variant regenerates "
+                                                                     "the training prompts at (seeded by "
+                                                                     "generate.sampling.seed).")
     train: ValueTrainParams = Field(default_factory=ValueTrainParams)
     eval: ValueEvalParams = Field(default_factory=ValueEvalParams)
