@@ -35,9 +35,9 @@ TIGHT = {"core": 450, "hidden": 450}
 ENGINE_SIDE = {"eagle3data.hidden.engines.vllm_connector.cpu_hidden_states":
                "the CPU build's hidden-states connector, loaded by `kv_connector_module_path` "
                "(hidden/engines/vllm_capture.py)",
-               "eagle3data.value.vllm_cpu_fixes":
+               "eagle3data.generate.backends.vllm_cpu_fixes":
                "the CPU build's fixes at T > 0, a vLLM general plugin copied beside its entry point "
-               "(value/engine.py cpu_fix_dir)"}
+               "(generate/backends/vllm_server.py with_cpu_fixes: 01 and 06 at T > 0)"}
 # public names kept for users although nothing in the project calls them, with the reason
 PUBLIC_API = {"register_tokenizer": "the tokenizer plug-in hook (EAGLE3DATA_PLUGINS, docs/01)",
               "load_draft_vocab": "reads back the draft_vocab.safetensors 05 writes (docs/05)"}

@@ -69,6 +69,31 @@ def test_01_through_a_launched_vllm_server_gives_the_local_backends_ids(ci_run, 
     assert "--enforce-eager" in log.read_text().splitlines()[0]  # the command is the log's first line
 
 
+def test_01_at_temperature_1_through_a_launched_vllm_server_is_seeded_and_sampled(ci_run, tmp_path):
+    """vLLM's CPU build samples noise (its expand_kernel shim leaves the temperature unset) or dies (a seeded chunked
+    prefill's set_offset) at T > 0 without the fixes 01 puts on its server's PYTHONPATH: every request answered,
+    the same seed gives the same ids, and the ids are not the greedy ones nor noise (the target's own text)."""
+    from eagle3data.core.models import tokenizer_for
+
+    runs = []
+    for name in ("a", "b"):
+        p = load_params(CI, {"output_root": str(tmp_path / name), "generate.backend": "vllm",
+                             "generate.vllm.launch": True, "generate.vllm.server.port": 0, "generate.concurrency": 4,
+                             "generate.sampling.temperature": 1.0, "generate.sampling.seed": 0})
+        s = run_generate(p, progress=False)
+        assert s.status == "finished" and s.new_records == len(ids_by_key(ci_run))
+        mark = next((p.run_dir / "engine" / "vllm_cpu_fix").glob("mark_generate.txt")).read_text()
+        assert "expand: applied" in mark and "rewind: applied" in mark and "not applied" not in mark
+        runs.append((p, ids_by_key(p)))
+    (p, a), (_, b) = runs
+    assert a == b  # seeded: the same ids again
+    greedy = ids_by_key(ci_run)
+    assert any(a[k][1] != greedy[k][1] for k in a)  # sampled, not greedy
+    tok = tokenizer_for(p)
+    text = " ".join(tok.decode(o) for _, o in a.values())
+    assert sum(c.isascii() and (c.isalnum() or c.isspace()) for c in text) / len(text) > 0.8, text[:300]
+
+
 class SharedServer:
     """The module's one extract_hidden_states server (the project's CPU connector, float32): started on first
     use, stopped by `stop()` (before a test that launches its own) or at the module's end."""

@@ -55,7 +55,7 @@ from eagle3data.generate.backends.openai_api import OpenAIBackend
 from eagle3data.generate.backends.sglang import SGLangBackend
 from eagle3data.generate.backends.sglang_server import SGLangServer, sglang_command
 from eagle3data.generate.backends.vllm import VLLMBackend
-from eagle3data.generate.backends.vllm_server import VLLMServer, server_command
+from eagle3data.generate.backends.vllm_server import VLLMServer, check_cpu_fixes, server_command, with_cpu_fixes
 from eagle3data.generate.ledger import DatasetLedger, ledger_frame, provider_frame, write_ledger
 from eagle3data.generate.local import _run_local
 from eagle3data.generate.plan import RunPlan, _report_resume, _take_turn, _too_long, plan_run
@@ -171,7 +171,12 @@ def _run_http(params: RunParams, plan: RunPlan, profile: Any, tokenizer: Any, pr
         base_url, credit_poll = g.sglang.base_url, 1e9
     elif g.backend == "vllm":
         if g.vllm.launch:  # a server started here for this run, stopped when it ends (vllm_server.py)
-            with VLLMServer(server_command(params, g.vllm, stage="generate"), progress=progress) as srv:
+            cmd = server_command(params, g.vllm, stage="generate")
+            # vLLM's CPU build samples noise or dies at T > 0 without its fixes (vllm_server.with_cpu_fixes)
+            mark = with_cpu_fixes(cmd, params.run_dir, "generate") if g.sampling.temperature > 0 else None
+            with VLLMServer(cmd, progress=progress) as srv:
+                if mark is not None:
+                    check_cpu_fixes(mark, "generate")
                 return _run_http(params.model_copy(update={"generate": g.model_copy(update={
                     "vllm": g.vllm.model_copy(update={"launch": False, "base_url": srv.base_url})})}),
                     plan, profile, tokenizer, progress)

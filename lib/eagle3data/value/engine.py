@@ -35,7 +35,7 @@ consumed differently), so the per-prompt ids check applies at T = 0 only.
   token is drawn from p_T with x masked out (`sample_recovered_tokens_kernel`), i.e. norm(max(0, p − δ_x)):
   the output is distributed as p_T.
 
-**vLLM's CPU build (0.32) at T > 0 needs two fixes, applied here** (`CPU_FIX_PLUGIN`):
+**vLLM's CPU build (0.32) at T > 0 needs two fixes, applied here** (`generate/backends/vllm_cpu_fixes.py`, also for 01's servers at T > 0):
 1. Without triton-cpu (this project's `.engine/`), vLLM swaps its Triton kernels for C++ shims
    (`CpuPlatform.register_triton_kernel_overrides`, `vllm/platforms/cpu.py`). The `expand_kernel` shim
    (`_expand_kernel_impl`, `vllm/utils/cpu_triton_utils.py`) runs the int64 C++ kernel on an int64 *copy* of its
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -71,7 +70,8 @@ import httpx
 
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params import VLLMParams
-from eagle3data.generate.backends.vllm_server import VLLMServer, server_command
+from eagle3data.generate.backends.vllm_server import (ServerError, VLLMServer, check_cpu_fixes, server_command,
+                                                     with_cpu_fixes)
 from eagle3data.value.sampling import temperature_key
 from eagle3data.value.train import ValueStopped
 
@@ -111,27 +111,6 @@ def read_counters(base_url: str) -> dict[str, float]:
         if name in out:
             out[name] += float(line.rsplit(" ", 1)[1])
     return out
-
-
-CPU_FIX_NAME = "eagle3data_vllm_cpu_fixes"
-CPU_FIX_MARK_ENV = "EAGLE3DATA_VLLM_FIX_MARK"
-# the plugin's source: a module of its own (runs in the engine's venv, imports no eagle3data), copied as text
-CPU_FIX_PLUGIN = (Path(__file__).with_name("vllm_cpu_fixes.py")).read_text(encoding="utf-8")
-
-
-def cpu_fix_dir(run_dir: Path) -> Path:
-    """`CPU_FIX_PLUGIN` as an importable folder with its entry point, for PYTHONPATH: `<run>/engine/vllm_cpu_fix/<sha>/`
-    (named by its content: a folder never holds another version's plugin, and is written once)."""
-    sha = hashlib.sha256(CPU_FIX_PLUGIN.encode()).hexdigest()[:12]
-    d = Path(run_dir) / "engine" / "vllm_cpu_fix" / sha
-    info = d / f"{CPU_FIX_NAME}-0.dist-info"
-    if not (info / "entry_points.txt").exists():
-        info.mkdir(parents=True, exist_ok=True)
-        (d / f"{CPU_FIX_NAME}.py").write_text(CPU_FIX_PLUGIN, encoding="utf-8")
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {CPU_FIX_NAME}\nVersion: 0\n", encoding="utf-8")
-        (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{CPU_FIX_NAME} = {CPU_FIX_NAME}:register\n",
-                                               encoding="utf-8")
-    return d
 
 
 def request_seed(seed: int, temperature: float, index: int) -> int:
@@ -214,23 +193,18 @@ def serve_temperatures(params: Any, server: Any, prompts: Sequence[list[int]], m
         extra = ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "detailed"]
     v = VLLMParams(launch=True, server=server)
     fix = any(t > 0 for t in temps)  # vLLM's CPU build at T > 0 (module docstring)
-    fix_dir = cpu_fix_dir(params.run_dir) if fix else None
-    cmd = server_command(params, v, stage=stage, extra_args=extra, extra_env_path=[str(fix_dir)] if fix else None)
-    if fix:
-        mark = fix_dir.parent / f"mark_{stage}.txt"
-        mark.unlink(missing_ok=True)
-        cmd.env[CPU_FIX_MARK_ENV] = str(mark)
-        if os.environ.get("VLLM_PLUGINS") is not None:  # an allowlist: name the fix in it
-            cmd.env["VLLM_PLUGINS"] = ",".join(filter(None, [os.environ["VLLM_PLUGINS"], CPU_FIX_NAME]))
+    cmd = server_command(params, v, stage=stage, extra_args=extra)
+    mark = with_cpu_fixes(cmd, params.run_dir, stage) if fix else None
     t0 = time.monotonic()
     served: dict[float, list[Served]] = {}
     by_t: dict[str, Any] = {}
     with VLLMServer(cmd, progress=False) as srv:
         started = srv.started_s
-        if fix and (not mark.exists() or "not applied" in mark.read_text(encoding="utf-8")):
-            got = mark.read_text(encoding="utf-8").strip() if mark.exists() else "not loaded"
-            raise EngineEvalError(f"{stage}: vLLM's CPU fixes ({fix_dir}): {got}; without them its CPU build samples "
-                                  "noise or dies at T > 0 (value/engine.py's docstring)")
+        if mark is not None:
+            try:
+                check_cpu_fixes(mark, stage)
+            except ServerError as e:
+                raise EngineEvalError(str(e)) from None
         for T in temps:
             before = read_counters(srv.base_url) if draft_dir is not None else {}
             t1 = time.monotonic()

@@ -263,6 +263,12 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
                 raise ValueStopped(f"{variant}: 01 stopped ({g.stop_reason}); what it wrote is kept, it resumes")
             raise ValueStageError(f"{gp.run_dir / 'ledger.json'}: 01 for variant {variant} ended {g.status}: "
                                   f"{g.stop_reason}")
+        failed = [r for r in read_run(gp.run_dir, rebuilt=False, verdicts=False).records()
+                  if r.get("finish_reason") == "error"]
+        if failed:  # a measurement trains on every prompt's output: 01's failures stop it (01 resumes them)
+            raise ValueStageError(f"{gp.run_dir / 'records'}: 01 for variant {variant} failed {len(failed)} "
+                                  f"request(s), first {SampleKey.of(failed[0])}: "
+                                  f"{str(failed[0].get('error'))[:200]}")
         info["generate"] = {"run": str(gp.run_dir), "temperature": gp.generate.sampling.temperature,
                             "seed": gp.generate.sampling.seed, "new_records": g.new_records,
                             "seconds": round(g.seconds, 1)}

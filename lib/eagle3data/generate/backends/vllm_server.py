@@ -23,6 +23,7 @@ time). The next start of that stage finds the record and stops a server still ru
 
 from __future__ import annotations
 
+import hashlib
 import contextlib
 import ctypes
 import os
@@ -327,3 +328,46 @@ def stop_stale(path: Path, *, progress: bool = True) -> None:
             print(f"stopping a vLLM server left running by an earlier launch (pid {pid}, record {path})", flush=True)
         stop_group(int(rec.get("pgid") or pid))
     path.unlink(missing_ok=True)
+
+
+# vLLM's CPU build at T > 0 (value/engine.py's docstring says what and why): a general plugin of two fixes, put on
+# the PYTHONPATH of a server that samples; the plugin's source is a module of its own (engine side: no eagle3data)
+CPU_FIX_NAME = "eagle3data_vllm_cpu_fixes"
+CPU_FIX_MARK_ENV = "EAGLE3DATA_VLLM_FIX_MARK"
+CPU_FIX_PLUGIN = Path(__file__).with_name("vllm_cpu_fixes.py").read_text(encoding="utf-8")
+
+
+def cpu_fix_dir(run_dir: Path) -> Path:
+    """The plugin as an importable folder with its entry point, for PYTHONPATH: `<run>/engine/vllm_cpu_fix/<sha>/`
+    (named by its content: a folder never holds another version's plugin, and is written once)."""
+    sha = hashlib.sha256(CPU_FIX_PLUGIN.encode()).hexdigest()[:12]
+    d = Path(run_dir) / "engine" / "vllm_cpu_fix" / sha
+    info = d / f"{CPU_FIX_NAME}-0.dist-info"
+    if not (info / "entry_points.txt").exists():
+        info.mkdir(parents=True, exist_ok=True)
+        (d / f"{CPU_FIX_NAME}.py").write_text(CPU_FIX_PLUGIN, encoding="utf-8")
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {CPU_FIX_NAME}\nVersion: 0\n", encoding="utf-8")
+        (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{CPU_FIX_NAME} = {CPU_FIX_NAME}:register\n",
+                                               encoding="utf-8")
+    return d
+
+
+def with_cpu_fixes(cmd: EngineCommand, run_dir: Path, stage: str) -> Path:
+    """Put the fixes on `cmd`'s PYTHONPATH (and in a `VLLM_PLUGINS` allowlist if one is set); returns the mark file
+    the plugin writes in each vLLM process (`check_cpu_fixes` reads it once the server is up)."""
+    fix_dir = cpu_fix_dir(run_dir)
+    cmd.extra_env_path.insert(0, str(fix_dir))
+    mark = fix_dir.parent / f"mark_{stage}.txt"
+    mark.unlink(missing_ok=True)
+    cmd.env[CPU_FIX_MARK_ENV] = str(mark)
+    if os.environ.get("VLLM_PLUGINS") is not None:  # an allowlist: name the fix in it
+        cmd.env["VLLM_PLUGINS"] = ",".join(filter(None, [os.environ["VLLM_PLUGINS"], CPU_FIX_NAME]))
+    return mark
+
+
+def check_cpu_fixes(mark: Path, stage: str) -> None:
+    """ServerError unless every vLLM process of the server loaded the fixes and applied (or did not need) both."""
+    text = mark.read_text(encoding="utf-8").strip() if mark.exists() else ""
+    if not text or "not applied" in text:
+        raise ServerError(f"{stage}: vLLM's CPU fixes ({mark.parent}): {text or 'not loaded'}; without them its CPU "
+                          "build samples noise or dies at T > 0 (value/engine.py's docstring)")

@@ -1,6 +1,6 @@
 """eagle3data: two fixes for vLLM's CPU build at T > 0, a vLLM general plugin (loaded in every vLLM process,
-before the worker registers its kernel shims). Copied by eagle3data/value/engine.py (`cpu_fix_dir`) beside
-its entry point; engine.py's docstring says why. Runs in the engine's venv: it imports no eagle3data.
+before the worker registers its kernel shims). Copied by generate/backends/vllm_server.py (`with_cpu_fixes`)
+beside its entry point; value/engine.py's docstring says why. Runs in the engine's venv: it imports no eagle3data.
 
 1. `expand_kernel`'s CPU shim writes its output at the caller's dtype (vllm-project/vllm#55005): without it the
    rejection sampler reads uninitialised memory as the per-token temperature. Only where Triton does not run.
