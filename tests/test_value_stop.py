@@ -31,7 +31,7 @@ def test_the_engine_evaluation_stops_on_request_without_draining_its_queue(monke
     sent: list[int] = []
     lock = threading.Lock()
 
-    def slow(client, url, model, ids, n):
+    def slow(client, url, model, ids, n, temperature=0.0, seed=None):
         with lock:
             sent.append(ids[0])
         time.sleep(0.3)
@@ -43,7 +43,7 @@ def test_the_engine_evaluation_stops_on_request_without_draining_its_queue(monke
     stop_file = tmp_path / "STOP"
     threading.Timer(0.5, stop_file.touch).start()
     t0 = time.monotonic()
-    with pytest.raises(E.EvalStopped, match=r"06_exact: stopped after \d+ of 200 prompts"):
+    with pytest.raises(E.EvalStopped, match=r"06_exact T=0: stopped after \d+ of 200 prompts"):
         E.serve(_Params(), VLLMServerParams(port=0), [[i] for i in range(200)], 4, stage="06_exact", concurrency=4,
                 say=lambda s: None, stop=stop_file.exists)
     assert time.monotonic() - t0 < 5  # 200 prompts at 4 in flight would take 15 s
