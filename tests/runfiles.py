@@ -139,3 +139,25 @@ def as_written(hdir: Path, *files: str | Path) -> None:
         col = [sums.get(s, c) for s, c in zip(t["shard"].to_pylist(), t["checksum"].to_pylist())]
         t = t.set_column(t.column_names.index("checksum"), "checksum", pa.array(col, pa.string()))
         pq.write_table(t, hdir / "index.parquet")
+
+
+def ci_records_through_04(ci_run: Any, root: Path) -> Any:
+    """The ci run's records copied into `root`, stored by 04 in speculators' layout (bf16, HF forward, no probe) with
+    a 64-token draft vocabulary for 05: the params of that run (05 left to the caller)."""
+    import shutil
+
+    import pytest
+
+    from eagle3data.core.params import load_params
+    from eagle3data.hidden.extract import run_extract
+
+    shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
+    p = load_params(Path(__file__).resolve().parents[1] / "params" / "ci.yaml",
+                    {"output_root": str(root), "hidden.probe_batches": 0, "hidden.layout": "speculators",
+                     "hidden.storage": "bf16", "export.draft_vocab_size": 64})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RANK", raising=False)
+        mp.delenv("WORLD_SIZE", raising=False)
+        res = run_extract(p, progress=False)
+    assert res.merged and res.verification.ok
+    return p

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3data.core.params import load_params
 from eagle3data.export.run import run_export
 from eagle3data.generate.backends.vllm_server import free_port, model_dir
-from eagle3data.hidden.extract import run_extract
 from eagle3data.value.online import ONLINE_HANDOFF, StoreCheck, online_handoff, states_server_command, train_online
 from eagle3data.value.run import plan_value
 from eagle3data.value.train import TrainConfig, ValueStageError, layer_ids_of_store, train_draft
 from eagle3data.value.variants import VARIANTS, variant_data
+from runfiles import ci_records_through_04
 
 REPO = Path(__file__).resolve().parents[1]
 CFG = TrainConfig(epochs=2, total_seq_len=512, checkpoint_every=50)
@@ -31,16 +30,7 @@ CFG = TrainConfig(epochs=2, total_seq_len=512, checkpoint_every=50)
 
 @pytest.fixture(scope="module")
 def run(ci_run, tmp_path_factory):
-    root = tmp_path_factory.mktemp("online")
-    shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
-    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
-                                                  "hidden.layout": "speculators", "hidden.storage": "bf16",
-                                                  "export.draft_vocab_size": 64})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RANK", raising=False)
-        mp.delenv("WORLD_SIZE", raising=False)
-        res = run_extract(p, progress=False)
-    assert res.merged and res.verification.ok
+    p = ci_records_through_04(ci_run, tmp_path_factory.mktemp("online"))
     ex = run_export(p, formats=["speculators", "speculators_online"])  # 05: the offline and the online hand-off
     assert ex.manifests["speculators_online"]["handoff"]["window"]["dropped"] == []
     return p

@@ -9,36 +9,25 @@ The base is the ci run (SmolLM2 embedded, 2 + 2 prompts, local backend) through 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import orjson
 import pytest
 
 from eagle3data.core.models import tokenizer_for
-from eagle3data.core.params import load_params
 from eagle3data.export.run import run_export
-from eagle3data.hidden.extract import run_extract
 from eagle3data.value.run import _engine_temperatures, plan_value
 from eagle3data.value.train import ValueStageError
 from eagle3data.value.variants import build_variant, variant_data
+from runfiles import ci_records_through_04
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def base(ci_run, tmp_path_factory):
-    root = tmp_path_factory.mktemp("regenerated")
-    shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
-    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
-                                                  "hidden.layout": "speculators", "hidden.storage": "bf16",
-                                                  "export.draft_vocab_size": 64, "export.formats": ["speculators"]})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RANK", raising=False)
-        mp.delenv("WORLD_SIZE", raising=False)
-        res = run_extract(p, progress=False)
-        assert res.merged
-        run_export(p)
+    p = ci_records_through_04(ci_run, tmp_path_factory.mktemp("regenerated"))
+    run_export(p, formats=["speculators"])
     return p
 
 
