@@ -238,6 +238,7 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
                  ] if base is not None else None
     fp = _fingerprint(vp, base_keys or train_keys, base.info.get("fingerprint") if base is not None else None)
     order = train_keys if base is None else [base_keys[i] for i in base.rows]  # training order: exact's (sampled's)
+    rows_held = held if variant in GENERATED or base is not None else None  # rows of its own: all but held-out ones
     built = vrun / BUILT
     if built.exists() and (handoff / "handoff.json").exists():
         info = json.loads(built.read_text(encoding="utf-8"))
@@ -245,8 +246,7 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
             say(f"{variant}: data built earlier, kept ({handoff})")
             if variant == "retokenized" and "ids_differ_from_exact" not in info:
                 info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff)
-            return VariantData(handoff, _train_rows(handoff, order, held if variant in GENERATED or base else None),
-                               info)
+            return VariantData(handoff, _train_rows(handoff, order, rows_held), info)
     _start_build(vrun, fp, say)
     t0 = time.monotonic()
     info: dict[str, Any] = {"variant": variant, "fingerprint": fp}
@@ -325,7 +325,7 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
         info[f"ids_differ_from_{MADE_FROM[variant]}"] = ids_differ(base.handoff, handoff)
     info["seconds"] = round(time.monotonic() - t0, 1)
     write_atomic(built, json.dumps(info, indent=1).encode())
-    return VariantData(handoff, _train_rows(handoff, order, held if variant in GENERATED or base else None), info)
+    return VariantData(handoff, _train_rows(handoff, order, rows_held), info)
 
 
 STARTED = "building.json"
