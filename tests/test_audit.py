@@ -127,7 +127,7 @@ def test_cli_writes_verdicts_and_summary(kimi_records, tmp_path, capsys):
     assert cli_main(["audit", str(p), "--out", str(out), "--allow-failed"]) == 0
     lines = [orjson.loads(x) for x in (out / "verdicts.jsonl").read_bytes().splitlines()]
     assert len(lines) == len(recs) + 1
-    assert set(lines[0]) == {"dataset", "sample_id", "failed", "truncated"}
+    assert set(lines[0]) == {"dataset", "sample_id", "failed", "flagged", "truncated"}
     assert {"output.ends_with_eot", "output.no_reasoning_open"} <= set(lines[-1]["failed"])
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary["records"] == len(recs) + 1 and summary["records_failed"] == 1

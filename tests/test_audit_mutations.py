@@ -3,7 +3,8 @@
 Clean records come from the small generated CI run (SmolLM2, plus completed copies of its
 truncated outputs) and from synthetic Kimi-profile records; each mutation is applied to one
 record, the journal is written and read back, and the audit must fail that record on the
-named check. Clean records must pass every check.
+named check (every check gating: `flag_only=()`). Clean records must pass every check. With the
+default `audit.flag_only` the roundtrip mutant is flagged and kept, not failed.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any, Callable
 import orjson
 import pytest
 
-from eagle3data.audit.run import audit_table
-from eagle3data.audit.checks import FAIL
+from eagle3data.audit.run import FLAG_ONLY, audit_table
+from eagle3data.audit.checks import FAIL, FLAG
 from eagle3data.audit.idtable import read_journal
 from eagle3data.core.profiles import KIMI_K25, SMOLLM2, Profile
 from eagle3data.prompts.load import Prompt, template_prompt
@@ -24,10 +25,11 @@ from eagle3data.core.records import read_records
 from synthetic import SyntheticTokenizer, synthetic_records
 
 
-def audit_records(records: list[dict[str, Any]], profile: Profile, tokenizer: Any, tmp_path: Path):
+def audit_records(records: list[dict[str, Any]], profile: Profile, tokenizer: Any, tmp_path: Path,
+                  flag_only: tuple[str, ...] = ()):
     path = tmp_path / "records.jsonl"
     path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
-    return audit_table(read_journal(path, source_fields=True), profile, tokenizer=tokenizer)
+    return audit_table(read_journal(path, source_fields=True), profile, tokenizer=tokenizer, flag_only=flag_only)
 
 
 def failures(result) -> dict[int, list[str]]:
@@ -276,3 +278,31 @@ def test_prompt_without_generation_prompt_is_flagged(kimi_clean, kimi_tok, tmp_p
     recs[2]["prompt_ids"] = recs[2]["prompt_ids"][:-1]  # drop the trailing <think>
     fails = failures(audit_records(recs, KIMI_K25, kimi_tok, tmp_path))
     assert set(fails) == {2} and "prompt.generation_prompt" in fails[2] and "prompt.retemplate" in fails[2]
+
+
+def test_roundtrip_flags_by_default_and_the_record_is_kept(smol_clean, smollm2_tokenizer, tmp_path):
+    """audit.flag_only's default: a non-canonical split is flagged (counted, shown), not failed (kept in the mix)."""
+    recs = copy.deepcopy(smol_clean)
+    i = _target(recs, "merge_seam")
+    merge_seam(recs[i], SMOLLM2, smollm2_tokenizer)
+    res = audit_records(recs, SMOLLM2, smollm2_tokenizer, tmp_path, flag_only=FLAG_ONLY)
+    assert failures(res) == {}
+    assert res.status.at[i, "text.roundtrip"] == FLAG
+    assert {j: f for j, f in enumerate(res.failed_lists(FLAG)) if f} == {i: ["text.roundtrip"]}
+    s = res.summary()
+    assert (s["records_failed"], s["records_flagged"]) == (0, 1)
+    c = s["checks"]["text.roundtrip"]
+    assert (c["failed"], c["flagged"], c["gates"], c["applicable"]) == (0, 1, False, len(recs))
+    assert c["verdict"] == f"flagged 1/{len(recs)}"
+    assert s["checks"]["output.single_eot"]["gates"] is True
+    vp, _ = res.write(tmp_path / "audit")
+    lines = [orjson.loads(ln) for ln in vp.read_bytes().splitlines()]
+    assert (lines[i]["failed"], lines[i]["flagged"]) == ([], ["text.roundtrip"])
+    assert "flagged 1/" in res.check_matrix().to_string()
+    gated = audit_records(recs, SMOLLM2, smollm2_tokenizer, tmp_path, flag_only=())
+    assert failures(gated) == {i: ["text.roundtrip"]} and gated.summary()["records_flagged"] == 0
+
+
+def test_flag_only_names_a_check(smol_clean, smollm2_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="audit.flag_only: no check named 'text.round_trip'"):
+        audit_records(smol_clean[:1], SMOLLM2, smollm2_tokenizer, tmp_path, flag_only=("text.round_trip",))

@@ -77,11 +77,11 @@ def test_audit_verdicts_filter_unless_include_failed(run):
         {"dataset": "b1_glaive", "sample_id": 1, "failed": [], "truncated": False},
         {"dataset": "b1_glaive", "sample_id": 2, "failed": ["ends_with_end_of_turn"], "truncated": False},
         {"dataset": "b1_glaive", "sample_id": 3, "failed": [], "truncated": False},
-        {"dataset": "b5_openthoughts", "sample_id": 7, "failed": [], "truncated": False},
+        {"dataset": "b5_openthoughts", "sample_id": 7, "failed": [], "flagged": ["text.roundtrip"], "truncated": False},
         {"dataset": "b5_openthoughts", "sample_id": 9, "failed": [], "truncated": True},
     ])
     mix = build_mix(run)
-    assert _keys(mix) == {"b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}
+    assert _keys(mix) == {"b1_glaive/3", "b5_openthoughts/7", "b5_openthoughts/9"}  # a flag (audit.flag_only) keeps 7
     failed = [d for d in mix.dropped if d["reason"] == "audit_failed"]
     assert failed == [{"key": "b1_glaive/2", "dataset": "b1_glaive", "sample_id": "2", "turn": None, "reason": "audit_failed",
                        "checks": ["ends_with_end_of_turn"]}]

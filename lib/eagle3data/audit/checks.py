@@ -4,7 +4,8 @@ The id checks find every special token of the profile in one pass over the flat 
 array and reason on their positions, so there is no Python loop per record; only the
 tokenizer checks (re-templating, decode->encode roundtrip, text fields against the one split
 of the ids) loop. Statuses per record and check: pass, fail, n/a (the check does not apply
-to this record or profile) and not run (the check needs a tokenizer that was not given).
+to this record or profile), not run (the check needs a tokenizer that was not given) and flagged
+(a check named in `audit.flag_only` did not hold: counted and shown, the record is kept).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from eagle3data.core.stats import calibrated_offset
 from eagle3data.generate.turns import assistant_message
 from eagle3data.prompts.load import Prompt, template_prompt
 
-PASS, FAIL, NA, NOT_RUN = 0, 1, 2, 3
-STATUS_NAMES = {PASS: "pass", FAIL: "fail", NA: "n/a", NOT_RUN: "not run"}
+PASS, FAIL, NA, NOT_RUN, FLAG = 0, 1, 2, 3, 4
+STATUS_NAMES = {PASS: "pass", FAIL: "fail", NA: "n/a", NOT_RUN: "not run", FLAG: "flagged"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ _CHECK_LIST = [
           "calibrated per (provider, dataset) as 02's counts are: the server rendered the prompt we templated"),
     Check("prompt.on_policy", "a turn's history holds the model's own journaled replies of its earlier turns, in order "
           "(generate.turns: all), not the dataset's"),
-    Check("text.roundtrip", "encode(decode(output ids)) gives the same ids", needs_tokenizer=True),
+    Check("text.roundtrip", "encode(decode(output ids)) gives the same ids (by default a flag, audit.flag_only: "
+          "ids that re-encoding the text would not give back are kept, they are what exact ids exist for)",
+          needs_tokenizer=True),
     Check("text.fields_match", "decoded reasoning/answer spans equal the record's reasoning/content",
           needs_tokenizer=True),
     Check("dataset.unique_sample_id",

@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from eagle3data.audit.run import AuditResult
-from eagle3data.audit.checks import CHECKS, FAIL, NA, NOT_RUN, PASS, STATUS_NAMES
+from eagle3data.audit.checks import CHECKS, FAIL, FLAG, NA, NOT_RUN, PASS, STATUS_NAMES
 from eagle3data.core.reader import SampleKey, read_rebuilt, read_run
 from eagle3data.generate.turns import conversation_turns
 
 _STATUS_STYLE = {PASS: "color:#1a7f37", FAIL: "color:#fff;background:#cf222e;font-weight:bold",
-                 NA: "color:#777", NOT_RUN: "color:#9a6700"}
+                 NA: "color:#777", NOT_RUN: "color:#9a6700", FLAG: "color:#fff;background:#9a6700;font-weight:bold"}
 _BOX = "border:1px solid #ddd;border-radius:4px;padding:6px;margin:4px 0;font-family:monospace;" \
        "font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere;line-height:1.6"
 # token boxes: a token never wraps inside itself (`white-space:pre` on each token), lines break only
@@ -424,6 +424,7 @@ def _inspect_row(result: AuditResult, i: int, note: str, found: bool, tokenizer:
                 specials.setdefault(int(sid), txt)
     pids, oids = t.prompt_ids(i), t.output_ids(i)
     failed = [c for c in result.status.columns if result.status.at[i, c] == FAIL]
+    flagged = [c for c in result.status.columns if result.status.at[i, c] == FLAG]
     provider = m.get("provider")
     provider = None if provider is None or (isinstance(provider, float) and np.isnan(provider)) else provider
     where = shown_record_path(m.get("file", ""))
@@ -439,10 +440,12 @@ def _inspect_row(result: AuditResult, i: int, note: str, found: bool, tokenizer:
             f'{_esc(str(m.get("ids_from", "journal")))} · prompt {len(pids)} tokens · output {len(oids)} tokens'
             + (f" · {_esc(where)}:{m.get('line', '')}" if where else "") + "<br>"
             + (f'<span style="color:#cf222e"><b>failed:</b> {_esc(", ".join(failed))}</span>' if failed
-               else '<span style="color:#1a7f37"><b>no check failed</b></span>') + "</p>")
+               else '<span style="color:#1a7f37"><b>no check failed</b></span>')
+            + (f' · <span style="color:#9a6700"><b>flagged (kept):</b> {_esc(", ".join(flagged))}</span>'
+               if flagged else "") + "</p>")
     div_html, div_at = "", None
     if tokenizer is not None and t.has_output[i]:
-        div_html = divergence_html(oids, tokenizer, start=len(pids), failed="text.roundtrip" in failed)
+        div_html = divergence_html(oids, tokenizer, start=len(pids), failed="text.roundtrip" in failed + flagged)
         ids_l = [int(x) for x in oids]
         again = tokenizer.encode(tokenizer.decode(ids_l, skip_special_tokens=False), add_special_tokens=False)
         div_at = first_divergence(ids_l, again)
@@ -491,10 +494,10 @@ def _inspect_row(result: AuditResult, i: int, note: str, found: bool, tokenizer:
 
 
 def failing_records(result: AuditResult, tokenizer: Any = None, k: int = 3) -> list[RecordView]:
-    """The first k failing records of each failed check, as inspector views."""
+    """The first k failing (or flagged) records of each failed (or flagging) check, as inspector views."""
     views, seen, journals = [], set(), {}
     for c in result.status.columns:
-        for i in np.flatnonzero(result.status[c].to_numpy() == FAIL)[:k].tolist():
+        for i in np.flatnonzero(np.isin(result.status[c].to_numpy(), (FAIL, FLAG)))[:k].tolist():
             if i in seen:  # by row: a conversation's turns are records of one sample_id
                 continue
             seen.add(i)

@@ -97,7 +97,7 @@ def _dataset_table(audit: dict | None, ledger: dict | None, mix: dict | None, an
 
 def _weakest(checks: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
     """The passing check with the loosest 95% bound (the one with the fewest applicable records)."""
-    passed = [(n, c) for n, c in checks.items() if not c.get("failed") and c.get("applicable")
+    passed = [(n, c) for n, c in checks.items() if not c.get("failed") and not c.get("flagged") and c.get("applicable")
               and c.get("upper95") is not None]
     return max(passed, key=lambda nc: nc[1]["upper95"]) if passed else None
 
@@ -110,11 +110,13 @@ def _audit_line(audit: dict[str, Any]) -> str:
     head = (f"{bad} of {n:,} records failed a check ({', '.join(failed)})" if bad
             else f"no record failed a check ({n:,} records)")
     w = _weakest(checks)
-    passed = sum(1 for c in checks.values() if not c.get("failed") and c.get("applicable"))
+    passed = sum(1 for c in checks.values() if not c.get("failed") and not c.get("flagged") and c.get("applicable"))
     bound = (f"; {'the other ' if failed else ''}{passed} applicable checks passed, each failure rate below "
              f"{upper95_text(w[1])} at 95% (loosest: {html.escape(w[0])}, 0/{w[1]['applicable']:,})" if w else "")
     cut = audit.get("records_truncated") or 0
+    flags = [f"{html.escape(k)} {c['flagged']}/{c['applicable']}" for k, c in checks.items() if c.get("flagged")]
     return (head + bound + (f"; {len(not_run)} not run" if not_run else "")
+            + (f"; {audit.get('records_flagged', 0):,} records flagged, kept ({', '.join(flags)})" if flags else "")
             + (f"; {cut:,} records truncated (finish_reason length: reported, not failed)" if cut else ""))
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from eagle3data.audit.checks import FAIL, FLAG
+
 
 def _plt():
     import matplotlib.pyplot as plt
@@ -163,11 +165,14 @@ def prompt_length_bias(groups: pd.DataFrame | None) -> Any:
 
 
 def check_failures(result: Any) -> Any:
-    """Failures per check and dataset (only checks that failed somewhere; a clean run says so)."""
+    """Failed and flagged records per check and dataset (only checks that failed or flagged somewhere; a clean run
+    says so). A flagging check (audit.flag_only) is labelled `(flag, kept)`: its records stay in the mix."""
     plt = _plt()
     st = result.status
-    fails = (st.to_numpy() == 1)
-    df = pd.DataFrame(fails, columns=st.columns)
+    hit = np.isin(st.to_numpy(), (FAIL, FLAG))
+    flags = (st.to_numpy() == FLAG).any(axis=0)
+    names = [f"{c} (flag, kept)" if f else c for c, f in zip(st.columns, flags)]
+    df = pd.DataFrame(hit, columns=names)
     df["dataset"] = result.meta["dataset"].astype(str).to_numpy()
     tab = df.groupby("dataset").sum()
     tab = tab.loc[:, tab.sum() > 0]
@@ -178,8 +183,8 @@ def check_failures(result: Any) -> Any:
         ax.set_axis_off()
     else:
         tab.T.plot.barh(stacked=True, ax=ax)
-        ax.set_xlabel("failed records")
+        ax.set_xlabel("failed (or flagged) records")
         _integer_ticks(ax.xaxis)
         _outside_legend(ax, title="dataset", fontsize=7)
-    ax.set_title("Failed records per check")
+    ax.set_title("Failed and flagged records per check")
     return _finished(fig)

@@ -310,6 +310,15 @@ def audit_banners(result: Any) -> HTMLBlock:
                           [f"{k}: {v} record(s)" for k, v in failed.items()]
                           + ["failed records are kept out of the training mix (and so the export) unless "
                              "hidden.include_failed; see section 6"]))
+    flagged = {k: v for k, v in s["checks"].items() if v.get("flagged")}
+    if s["records"] and flagged:
+        out.append(banner("warning", f"{s['records_flagged']} of {s['records']} records flagged (audit.flag_only): "
+                          "counted and kept in the training mix, not failed",
+                          [f"{k}: {v['flagged']} record(s) ({v['flagged'] / max(v['applicable'], 1):.1%})"
+                           for k, v in flagged.items()]
+                          + (["text.roundtrip: encode(decode(ids)) != ids: the model's own non-canonical split, which "
+                              "re-tokenizing the text would lose; examples in section 6"]
+                             if "text.roundtrip" in flagged else [])))
     not_run = [k for k, v in s["checks"].items() if v["verdict"] == "not run"]
     if s["records"] and not_run:
         out.append(banner("warning", f"{len(not_run)} check(s) not run: " + ", ".join(not_run)))
@@ -362,7 +371,8 @@ def check_summary_view(result: Any) -> Any:
 def check_matrix_html(result: Any) -> HTMLBlock:
     """Per (dataset, source, provider): only what informs — failures, not-run checks, and one pass bound per group.
 
-    Columns are the checks that failed (or were not run) in some group; a cell is `FAIL k/n (r%)`,
+    Columns are the checks that failed, flagged or were not run in some group; a cell is `FAIL k/n (r%)`,
+    `flagged k/n (r%)`,
     `0/n` beside a failure elsewhere, `not run`, or blank (n/a). The last column bounds every
     other applicable check of the group at once: `N passed; weakest bound 0/n (<b%)`, from the
     check with the smallest n. The table scrolls sideways when it is wider than the page.
@@ -377,8 +387,8 @@ def check_matrix_html(result: Any) -> HTMLBlock:
     if len(ct) == 0:
         return HTMLBlock("<p><i>check matrix: no records</i></p>")
     gcols = ["dataset", "source", "provider"]
-    informative = [c for c in CHECK_NAMES if c in set(ct.loc[(ct["failed"] > 0) | ((ct["not_run"] > 0)
-                                                                                   & (ct["applicable"] == 0)), "check"])]
+    informative = [c for c in CHECK_NAMES if c in set(ct.loc[(ct["failed"] > 0) | (ct["flagged"] > 0) | (
+        (ct["not_run"] > 0) & (ct["applicable"] == 0)), "check"])]
     rows = []
     for key, g in ct.groupby(gcols, sort=False):
         g = g.set_index("check")
@@ -389,6 +399,9 @@ def check_matrix_html(result: Any) -> HTMLBlock:
                 cells.append("")
             elif r["failed"] > 0:
                 cells.append(f"FAIL {int(r['failed'])}/{int(r['applicable'])} ({r['failed'] / r['applicable']:.1%})")
+            elif r["flagged"] > 0:
+                cells.append(f"flagged {int(r['flagged'])}/{int(r['applicable'])} "
+                             f"({r['flagged'] / r['applicable']:.1%})")
             elif r["applicable"] == 0:
                 cells.append("not run")
             else:
@@ -404,8 +417,10 @@ def check_matrix_html(result: Any) -> HTMLBlock:
     df = pd.DataFrame(rows, columns=gcols + ["records"] + informative + ["other checks (all passed)"])
     body = df.to_html(classes="check-matrix", index=False, border=0, escape=True)
     body = body.replace("<td>FAIL", '<td style="color:#cf222e;font-weight:bold">FAIL')
+    body = body.replace("<td>flagged", '<td style="color:#9a6700;font-weight:bold">flagged')
     note = ("" if informative else "<p>No check failed or went unrun in any group: one bound per group.</p>")
-    legend = ("Per group: a failed check as FAIL k/n (rate); 0/n where it passed in this group; the last column "
+    legend = ("Per group: a failed check as FAIL k/n (rate), a flagging one (audit.flag_only: records kept) as "
+              "flagged k/n; 0/n where it passed in this group; the last column "
               "bounds every other applicable check at once (rule of three on the smallest n).")
     return HTMLBlock(f'{note}<div style="overflow-x:auto;max-width:100%">{body}</div>'
                      f'<p style="font-size:12px;color:#555">{html.escape(legend)}</p>')

@@ -3,7 +3,8 @@
 The run's journals are read into flat id arrays (`idtable.py`); one row per sample is kept by
 the one supersede rule (`reader.supersede_rule`: a retried error is *superseded*, shown as
 such, never counted as a failure or a duplicate); every check of `checks.py` runs on those
-rows; a record's verdict lists the names of the checks it failed. `finish_reason: length` is
+rows; a record's verdict lists the names of the checks it failed and of those it was flagged by
+(`audit.flag_only`: counted and shown, the record kept in the mix). `finish_reason: length` is
 reported as truncated, never as broken. Bounds on failure rates come from `stats.py`.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
+from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, FLAG, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
                      billed_prompt_checks, iter_checks, on_policy_checks, structural_checks, suffix_check,
                      tokenizer_checks)
 from eagle3data.audit.idtable import AuditInputError, IdTable, read_journal
@@ -29,11 +30,13 @@ from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.reader import COMPLETED
 from eagle3data.core.stats import upper95
 from eagle3data.core.models import load_tokenizer, tokenizer_for
+from eagle3data.core.params import AuditParams
 from eagle3data.core.provenance import RunParamsError, params_of_run, write_provenance
 from eagle3data.generate.ledger import read_ledger
 from eagle3data.prompts.load import load_datasets, template_prompt
 
 TARGET_RATE = 0.001  # the failure rate the "records needed" column bounds (0.1 %)
+FLAG_ONLY: tuple[str, ...] = tuple(AuditParams.model_fields["flag_only"].default)  # audit.flag_only's default
 
 
 @dataclass
@@ -52,22 +55,23 @@ class AuditResult:
     superseded: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(
         columns=["dataset", "sample_id", "finish_reason", "file", "line", "record_line"]))
     prompt_calibration: list[dict[str, Any]] = field(default_factory=list)  # billed prompt counts per group
+    flag_only: tuple[str, ...] = FLAG_ONLY  # checks that flag a record instead of failing it (audit.flag_only)
 
     @property
     def meta(self) -> pd.DataFrame:
         return self.table.meta
 
-    def failed_lists(self) -> list[list[str]]:
-        """Per record, the names of the checks it failed."""
-        fails = self.status.to_numpy() == FAIL
+    def failed_lists(self, status: int = FAIL) -> list[list[str]]:
+        """Per record, the names of the checks it failed (`status=FLAG`: those it was flagged by)."""
+        fails = self.status.to_numpy() == status
         cols = np.array(self.status.columns)
         return [cols[row].tolist() for row in fails]
 
     def verdicts(self) -> pd.DataFrame:
-        """One row per record: dataset, sample_id, failed check names, truncated."""
+        """One row per record: dataset, sample_id, failed and flagging check names, truncated."""
         m = self.meta
         return pd.DataFrame({"dataset": m["dataset"], "sample_id": m["sample_id"], "failed": self.failed_lists(),
-                             "truncated": (m["finish_reason"] == "length").to_numpy()})
+                             "flagged": self.failed_lists(FLAG), "truncated": (m["finish_reason"] == "length").to_numpy()})
 
     def group_keys(self) -> pd.DataFrame:
         m = self.meta
@@ -79,7 +83,8 @@ class AuditResult:
 
         `upper95` is the rule-of-three bound 3/n when a check saw zero failures in n applicable
         records (else the Wilson 95 % upper bound); `records_for_0.1%` is how many applicable
-        records a clean check needs before its bound drops to 0.1 %.
+        records a clean check needs before its bound drops to 0.1 %. A flagging check's
+        (`audit.flag_only`) records that did not hold are `flagged`, not `failed`; its rate and bound are theirs.
         """
         keys = self.group_keys() if by_group else pd.DataFrame({"dataset": ["(all)"] * len(self.meta)})
         gcols = list(keys.columns)
@@ -89,14 +94,16 @@ class AuditResult:
         long = long.melt(id_vars=gcols, var_name="check", value_name="status")
         agg = long.groupby(gcols + ["check"], sort=False)["status"].agg(
             records="size", failed=lambda s: int((s == FAIL).sum()), passed=lambda s: int((s == PASS).sum()),
-            not_applicable=lambda s: int((s == NA).sum()), not_run=lambda s: int((s == NOT_RUN).sum())).reset_index()
-        cnt_cols = ["records", "failed", "passed", "not_applicable", "not_run"]
+            not_applicable=lambda s: int((s == NA).sum()), not_run=lambda s: int((s == NOT_RUN).sum()),
+            flagged=lambda s: int((s == FLAG).sum())).reset_index()
+        cnt_cols = ["records", "failed", "passed", "not_applicable", "not_run", "flagged"]
         agg[cnt_cols] = agg[cnt_cols].astype(np.int64)
-        agg["applicable"] = agg["passed"] + agg["failed"]
-        agg["fail_rate"] = np.where(agg["applicable"] > 0, agg["failed"] / agg["applicable"].clip(lower=1), np.nan)
-        agg["upper95"] = [upper95(f, a) for f, a in zip(agg["failed"], agg["applicable"])]
+        agg["applicable"] = agg["passed"] + agg["failed"] + agg["flagged"]
+        bad = agg["failed"] + agg["flagged"]
+        agg["fail_rate"] = np.where(agg["applicable"] > 0, bad / agg["applicable"].clip(lower=1), np.nan)
+        agg["upper95"] = [upper95(f, a) for f, a in zip(bad, agg["applicable"])]
         need = math.ceil(3 / TARGET_RATE)
-        clean = (agg["failed"] == 0) & (agg["applicable"] > 0)
+        clean = (bad == 0) & (agg["applicable"] > 0)
         agg["records_for_0.1%"] = np.where(clean, need, np.nan)
         agg["more_needed"] = np.where(clean, np.maximum(0, need - agg["applicable"]), np.nan)
         agg["verdict"] = [_verdict(r) for r in agg.itertuples()]
@@ -113,26 +120,28 @@ class AuditResult:
         ct = self.check_table()
         ct = ct[ct["check"].isin([c.name for c in iter_checks(self.profile)])]
         short = np.where(ct["failed"] > 0, "FAIL " + ct["failed"].astype(str) + "/" + ct["applicable"].astype(str),
-                         np.where(ct["applicable"] > 0, "0/" + ct["applicable"].astype(str) + " (<"
+                         np.where(ct["flagged"] > 0, "flagged " + ct["flagged"].astype(str) + "/"
+                                  + ct["applicable"].astype(str), np.where(ct["applicable"] > 0, "0/" + ct["applicable"].astype(str) + " (<"
                                   + (ct["upper95"] * 100).round(1).astype(str) + "%)",
-                                  np.where(ct["not_run"] > 0, "not run", "n/a")))
+                                  np.where(ct["not_run"] > 0, "not run", "n/a"))))
         ct = ct.assign(cell=short)
         wide = ct.pivot_table(index=["dataset", "source", "provider"], columns="check", values="cell",
                               aggfunc="first", sort=False)
         return wide[[c for c in CHECK_NAMES if c in wide.columns]]
 
     def group_table(self) -> pd.DataFrame:
-        """Per (dataset, source, provider): records, truncated, records with any failure."""
+        """Per (dataset, source, provider): records, truncated, records with any failure, records flagged."""
         keys = self.group_keys()
         fails = (self.status.to_numpy() == FAIL).any(axis=1)
         df = keys.assign(records=1, truncated=(self.meta["finish_reason"] == "length").to_numpy(),
                          errors=self.meta["finish_reason"].isin(["error", "abort"]).to_numpy(), failed=fails,
+                         flagged=(self.status.to_numpy() == FLAG).any(axis=1),
                          output_tokens=self.table.output_len, prompt_tokens=self.table.prompt_len)
         return df.groupby(list(keys.columns)).sum().reset_index()
 
     def failing(self, check: str, k: int = 3) -> pd.DataFrame:
-        """The first k records that failed `check` (dataset, sample_id, line)."""
-        idx = np.flatnonzero(self.status[check].to_numpy() == FAIL)[:k]
+        """The first k records that failed (or were flagged by) `check` (dataset, sample_id, line)."""
+        idx = np.flatnonzero(np.isin(self.status[check].to_numpy(), (FAIL, FLAG)))[:k]
         return self.meta.iloc[idx][["dataset", "sample_id", "file", "line"]]
 
     def lengths(self) -> pd.DataFrame:
@@ -166,23 +175,28 @@ class AuditResult:
         checks = {}
         for name, r in cs.iterrows():
             checks[name] = {"what": r["what"], "applicable": int(r["applicable"]), "failed": int(r["failed"]),
+                            "flagged": int(r["flagged"]), "gates": name not in self.flag_only,
                             "not_applicable": int(r["not_applicable"]), "not_run": int(r["not_run"]),
                             "upper95": None if pd.isna(r["upper95"]) else float(r["upper95"]),
                             "verdict": r["verdict"]}
         groups = self.group_table()
         ct = self.check_table()
         fails = ct[ct["failed"] > 0][["dataset", "source", "provider", "check", "failed", "applicable"]]
+        flags = ct[ct["flagged"] > 0][["dataset", "source", "provider", "check", "flagged", "applicable"]]
         return {
             "profile": self.profile.name,
             "records": len(self.meta),
             "output_tokens": int(self.table.output_len.sum()),
             "prompt_tokens": int(self.table.prompt_len.sum()),
             "records_failed": int((self.status.to_numpy() == FAIL).any(axis=1).sum()),
+            "records_flagged": int((self.status.to_numpy() == FLAG).any(axis=1).sum()),
+            "flag_only": list(self.flag_only),
             "records_truncated": int((self.meta["finish_reason"] == "length").sum()),
             "tokenizer_checks": "run" if self.tokenizer_used else "not run (no tokenizer)",
             "checks": checks,
             "groups": _jsonable(groups.to_dict(orient="records")),
             "failures": _jsonable(fails.to_dict(orient="records")),
+            "flags": _jsonable(flags.to_dict(orient="records")),
             "ids_from": _jsonable(self.meta.get("ids_from", pd.Series(dtype=str)).value_counts().to_dict()),
             "proof_levels": _jsonable(self.meta.get("proof_level", pd.Series(dtype=str)).value_counts().to_dict()),
             "prompt_calibration": _jsonable(self.prompt_calibration),
@@ -200,8 +214,9 @@ class AuditResult:
         out.mkdir(parents=True, exist_ok=True)
         m = self.meta
         trunc = (m["finish_reason"] == "length").to_numpy()
-        lines = [orjson.dumps({"dataset": d, "sample_id": _py(s), "failed": f, "truncated": bool(t)})
-                 for d, s, f, t in zip(m["dataset"], m["sample_id"], self.failed_lists(), trunc)]
+        lines = [orjson.dumps({"dataset": d, "sample_id": _py(s), "failed": f, "flagged": g, "truncated": bool(t)})
+                 for d, s, f, g, t in zip(m["dataset"], m["sample_id"], self.failed_lists(), self.failed_lists(FLAG),
+                                          trunc)]
         if "turn" in m and m["turn"].notna().any():  # generate.turns: all: a verdict per turn (its SampleKey)
             lines = [ln if t is None or t != t else ln[:-1] + b',"turn":%d}' % int(t) for ln, t in zip(lines, m["turn"])]
         vp, sp = out / "verdicts.jsonl", out / "summary.json"
@@ -233,16 +248,24 @@ def _verdict(r: Any) -> str:
         return "n/a"
     if r.failed:
         return f"FAIL {r.failed}/{r.applicable}"
+    if r.flagged:
+        return f"flagged {r.flagged}/{r.applicable}"
     return f"0/{r.applicable} (< {r.upper95:.2%})"
 
 
 def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
-                progress: bool = False, calibration: dict[str, Any] | None = None) -> AuditResult:
+                progress: bool = False, calibration: dict[str, Any] | None = None,
+                flag_only: tuple[str, ...] | list[str] = FLAG_ONLY) -> AuditResult:
     """Run every check that applies to this profile on the records of an IdTable.
+
+    A record that does not hold a check named in `flag_only` is flagged by it, not failed (`audit.flag_only`).
 
     The table may hold every journal line: the supersede rule keeps one row per key (the
     record) and the replaced lines go to `AuditResult.superseded`, outside every count.
     """
+    unknown = [c for c in flag_only if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"audit.flag_only: no check named {unknown[0]!r} (the checks: {', '.join(CHECK_NAMES)})")
     t0 = time.perf_counter()
     table, superseded = split_superseded(table)
     n = len(table)
@@ -274,6 +297,8 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
         else:
             grid[:, j] = NOT_RUN
             not_run.append(c)
+        if c in flag_only:
+            grid[grid[:, j] == FAIL, j] = FLAG
     status = pd.DataFrame(grid, columns=CHECK_NAMES)
     notes = []
     if tokenizer is None:
@@ -289,7 +314,7 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
                          f"{row['prompt_offset']:+d} from the local template ({cal}, mode {row['mode']:+d} in "
                          f"{row['mode_share']:.0%}), {row['off_offset']}/{row['records']} record(s) off it")
     return AuditResult(table, profile, status, pos, tokenizer is not None, time.perf_counter() - t0, notes=notes,
-                       superseded=superseded, prompt_calibration=prompt_calibration)
+                       superseded=superseded, prompt_calibration=prompt_calibration, flag_only=tuple(flag_only))
 
 
 # --------------------------------------------------------------------------- damage assessment and the stage
@@ -331,7 +356,7 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
     tokenizer = tokenizer or tokenizer_for(params)
     table = load_run(run_dir, source_fields=True)
     result = audit_table(table, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip, progress=progress,
-                         calibration=params.reconstruct.count_calibration)
+                         calibration=params.reconstruct.count_calibration, flag_only=params.audit.flag_only)
     result.ledger = read_ledger(run_dir)
     if not (run_dir / "reconstruct").is_dir() and (table.meta["source"] == "api").any():
         result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")
@@ -361,7 +386,7 @@ def audit_cli(records: str, *, profile: str | None, out: str, tokenizer: str | N
 
     The profile comes from the records when not given; the tokenizer checks run with `--tokenizer`
     or the run's own tokenizer (from its recorded params), and the output says which or why not.
-    Exit status: 0 when no record failed, 1 when some did (a CI gate; `--allow-failed` exits 0),
+    Exit status: 0 when no record failed, 1 when some did (a CI gate; `--allow-failed` exits 0; a flag is no failure),
     2 when the input cannot be read (raised: `cli.main` says it in one line).
     """
 
@@ -399,5 +424,7 @@ def audit_cli(records: str, *, profile: str | None, out: str, tokenizer: str | N
     for name, c in s["checks"].items():
         if c["failed"]:
             print(f"  {name}: {c['failed']}/{c['applicable']} failed")
+        if c["flagged"]:
+            print(f"  {name}: {c['flagged']}/{c['applicable']} flagged (audit.flag_only: kept, not failed)")
     print(f"wrote {vp} and {sp}")
     return 1 if s["records_failed"] and not allow_failed else 0
