@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model engine run value value-serving test bench lab notebooks golden clean
+.PHONY: help install model engine run value value-all test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -71,11 +71,11 @@ run: model ## run the four notebooks on params/embedded.yaml into outputs/embedd
 	$(BIN)/python -m eagle3data run $(PARAMS)
 
 VALUE_PARAMS ?= params/value.yaml
-value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yaml into outputs/value/ (a draft trained, its τ measured; docs/06)
+value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yaml into outputs/value/ (drafts trained per variant and seed, τ at T = 0 and 1; docs/06)
 	$(BIN)/python -m eagle3data run $(VALUE_PARAMS)
 
-value-serving: model engine ## 06 for a user's questions: τ at T = 0 and 1, greedy vs sampled regeneration, the data-size curve, seed spread (params/value_serving.yaml into outputs/value_serving/; docs/06)
-	$(BIN)/python -m eagle3data run params/value_serving.yaml
+value-all: model engine ## 06's full table: value's variants plus int8, fp8 and online, all through the engine (params/value_all.yaml into outputs/value_all/; hours; docs/06)
+	$(BIN)/python -m eagle3data run params/value_all.yaml
 
 test: model engine sglang ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests

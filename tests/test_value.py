@@ -258,7 +258,9 @@ def test_offline_tau_per_temperature_is_the_greedy_figure_at_zero_and_a_kept_var
     draft = load_draft(res.draft_dir)
     head = target_head_of(load_extract_model(p))
     greedy = [offline_tau(draft, s, K, draft.d2t) for s in seqs]
-    pp, per_ds = offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], seed=0, greedy=greedy)
+    pp, anchors, per_ds = offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], seed=0, greedy=greedy)
+    assert anchors == [{"0.0": o.anchors, "1.0": o.anchors} for o in greedy]  # both along the greedy continuations
+    assert {x["along"] for f in per_ds.values() for x in f.values()} == {"greedy"}
     assert [r["0.0"] for r in pp] == [sum(o.accepted) for o in greedy]
     for ds in dict.fromkeys(s.dataset for s in seqs):
         idx = [i for i, s in enumerate(seqs) if s.dataset == ds]
@@ -271,7 +273,7 @@ def test_offline_tau_per_temperature_is_the_greedy_figure_at_zero_and_a_kept_var
     off = [OfflineTau(o.anchors, [min(a + 1, K) for a in o.accepted]) for o in greedy]
     with pytest.raises(ValueStageError, match="differs from the greedy chain"):  # a T > 0 pass checks T = 0 too
         offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], greedy=off)
-    assert offline_by_temperature(draft, seqs, None, K, [0.0])[1] == {ds: {"0.0": f["0.0"]} for ds, f in per_ds.items()}
+    assert offline_by_temperature(draft, seqs, None, K, [0.0])[2] == {ds: {"0.0": f["0.0"]} for ds, f in per_ds.items()}
 
     out = tmp_path / "value" / "exact"
     shutil.copytree(res.draft_dir, out / "draft")
@@ -289,6 +291,58 @@ def test_offline_tau_per_temperature_is_the_greedy_figure_at_zero_and_a_kept_var
     assert [json.loads(x)["offline_accepted_by_temperature"] for x in (out / "per_prompt.jsonl").read_text().splitlines()] \
         == pp
     assert _add_temperatures(kept, out, seqs, head, pt, said.append) is kept and len(said) == 1  # nothing missing
+
+
+def test_offline_tau_at_t_is_taken_along_the_targets_own_sampled_continuations(trained, seqs, handoff, tmp_path):
+    """With continuations the target sampled at T (`at`), offline τ at T is speculative sampling's acceptance along
+    them (their own anchors), T = 0 stays the greedy figure; a kept variant measured along the greedy continuations
+    is measured again along the sampled ones."""
+    from eagle3data.value.run import _add_temperatures
+    from eagle3data.value.sampling import offline_by_temperature, sampled_taus, target_head_of
+
+    p, res = trained
+    model = load_extract_model(p)
+    head = target_head_of(model)
+    draft = load_draft(res.draft_dir)
+    torch.manual_seed(0)
+    other = []
+    for s in seqs:  # the target's own continuation at T = 1 (HF sampling), with its states
+        prompt = s.input_ids[: s.prompt_len]
+        with torch.inference_mode():
+            g = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0,
+                               top_p=1.0)
+        other.append(EvalSeq(s.dataset, s.sample_id, s.prompt_len, g[0].tolist()))
+    target_states(model, layer_plan(p, load_config(p)), other)
+    assert any(o.input_ids != s.input_ids[: len(o.input_ids)] for o, s in zip(other, seqs))
+    pp, anchors, per_ds = offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], seed=0, at={1.0: other})
+    want = [sampled_taus(draft, o, K, draft.d2t, head, [1.0], draft_temperature=0)[0] for o in other]
+    assert [r["1.0"] for r in pp] == [round(sum(w.accepted), 4) for w in want]
+    assert [a["1.0"] for a in anchors] == [w.anchors for w in want]
+    assert [r["0.0"] for r in pp] == [sum(offline_tau(draft, s, K, draft.d2t).accepted) for s in seqs]
+    for ds, f in per_ds.items():
+        idx = [i for i, s in enumerate(seqs) if s.dataset == ds]
+        assert (f["1.0"]["along"], f["0.0"]["along"]) == ("sampled at T", "greedy")
+        assert (f["1.0"]["tau"], f["1.0"]["tau_ci95"]) == ratio_ci([sum(want[i].accepted) for i in idx],
+                                                                   [want[i].anchors for i in idx], 0)
+    with pytest.raises(ValueStageError, match="not of the evaluation prompts"):
+        offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], at={1.0: other[::-1]})
+
+    out = tmp_path / "value" / "exact"  # a variant kept from a run that took T = 1 along the greedy continuations
+    shutil.copytree(res.draft_dir, out / "draft")
+    g_pp, _, g_ds = offline_by_temperature(draft, seqs, head, K, [0.0, 1.0], seed=0)
+    rows = [{"dataset": s.dataset, "sample_id": s.sample_id, "offline_accepted_by_temperature": r}
+            for s, r in zip(seqs, g_pp)]
+    (out / "per_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prev = {"variant": "exact", "per_dataset": {ds: {"offline_by_temperature": f} for ds, f in g_ds.items()}}
+    pt = p.model_copy(update={"value": p.value.model_copy(update={"eval": p.value.eval.model_copy(
+        update={"temperatures": [0.0, 1.0]})})})
+    said = []
+    assert _add_temperatures(prev, out, seqs, head, pt, said.append) is prev and not said  # greedy wanted: kept
+    kept = _add_temperatures(json.loads(json.dumps(prev)), out, seqs, head, pt, said.append, {1.0: other})
+    assert {ds: f["offline_by_temperature"] for ds, f in kept["per_dataset"].items()} == per_ds and len(said) == 1
+    got = [json.loads(x) for x in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert [r["offline_accepted_by_temperature"] for r in got] == pp
+    assert [r["offline_anchors_by_temperature"] for r in got] == anchors
 
 
 @pytest.mark.slow

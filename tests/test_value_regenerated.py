@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from eagle3data.core.models import tokenizer_for
+from eagle3data.core.reader import SampleKey
 from eagle3data.export.run import run_export
 from eagle3data.value.run import _engine_temperatures, plan_value
 from eagle3data.value.train import ValueStageError
@@ -75,6 +76,10 @@ def test_sampled_and_its_api_copy_are_regenerated_by_the_stages_and_keep_held_ou
     # sampled at T = 1: not the greedy ids (24 tokens of a 135M model: some row differs)
     exact_ids, sampled_ids = _ids(exact), _ids(s.handoff)
     assert any(sampled_ids[k] != exact_ids.get(k) for k in sampled_ids)
+    # a record flagged by text.roundtrip (a non-canonical split the target sampled) is kept, not dropped by 03
+    verdicts = [json.loads(x) for x in (vdir / "run" / "audit" / "verdicts.jsonl").read_text().splitlines() if x]
+    flagged = {str(SampleKey.of(v)) for v in verdicts if "text.roundtrip" in v["flagged"]}
+    assert not any("text.roundtrip" in v["failed"] for v in verdicts) and flagged <= set(skeys)
 
     # its API copy: the same records as text, ids rebuilt by 02; compared with sampled, row for row
     r = build_variant(base, "sampled_retokenized", train, said.append, held=held)

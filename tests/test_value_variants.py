@@ -347,8 +347,8 @@ def test_the_stage_trains_exact_per_seed_and_gathers_spread_judgement_and_slope(
     gen = torch.Generator().manual_seed(1)
     hard = torch.randint(0, 4, (30,), generator=gen).tolist()  # a prompt's difficulty, shared by every draft
 
-    def fake_variant(params, plan, variant, seqs, say, head_, folder=None):
-        assert head_ is head and len(seqs) == 30
+    def fake_variant(params, plan, variant, seqs, say, head_, folder=None, seqs_at=None):
+        assert head_ is head and len(seqs) == 30 and seqs_at == {}
         seed, folder = params.value.train.seed, folder or variant
         calls.append((variant, folder, seed))
         bonus = {"exact": 2 + seed % 2, "half": 1}[variant]  # the seeds move exact's τ; half is a doubling below
@@ -366,7 +366,7 @@ def test_the_stage_trains_exact_per_seed_and_gathers_spread_judgement_and_slope(
                 "train_tokens": {"exact": 4000, "half": 2000}[variant], "per_dataset": per_ds}
 
     for name, fn in {"load_extract_model": lambda params: object(), "load_config": lambda params: None,
-                     "reference_continuations": lambda params, plan, say, model: [[5] * 8 for _ in plan.evals],
+                     "reference_continuations": lambda params, plan, say, model: {0.0: [[5] * 8 for _ in plan.evals]},
                      "layer_plan": lambda params, cfg: SimpleNamespace(hf_indices=[2, 15, 27]),
                      "target_states": lambda model, layers, seqs: None, "target_head_of": lambda model: head,
                      "run_variant": fake_variant, "git_state": lambda: {}, "package_versions": lambda: {},

@@ -34,7 +34,8 @@ def _by_temperature(rows: Sequence[dict[str, Any]], kind: str, t: str) -> list[t
     for p in rows:
         if kind == "offline":
             a = (p.get("offline_accepted_by_temperature") or {}).get(t)
-            out.append(None if a is None else (a, p["anchors"]))
+            n = (p.get("offline_anchors_by_temperature") or {}).get(t, p["anchors"])  # its own continuation's
+            out.append(None if a is None else (a, n))
         else:
             e = (p.get("engine_by_temperature") or {}).get(t)
             out.append(None if not e or e.get("steps") is None else (e["accepted"], e["steps"]))

@@ -47,8 +47,9 @@ def _ci_text(ci: Any) -> str:
 
 def temperature_table(summary: dict[str, Any]) -> Any:
     """τ per variant, evaluation set and sampling temperature (`eval.temperatures`), with 95% intervals over prompts:
-    offline (vLLM's greedy drafts against the target's tempered distribution, sampling.py) and, where the engine
-    served the variant at that temperature, the engine's (its rejection sampler, seeded requests)."""
+    offline (vLLM's greedy drafts against the target's tempered distribution, sampling.py; `along`: the target's
+    continuations it is taken along, greedy or sampled at T) and, where the engine served the variant at that
+    temperature, the engine's (its rejection sampler, seeded requests)."""
     import pandas as pd
 
     rows = []
@@ -60,6 +61,7 @@ def temperature_table(summary: dict[str, Any]) -> Any:
                 rows.append({"variant": v["variant"], "evaluation set": ds, "T": float(t),
                              "τ engine": e.get("tau"), "engine 95%": _ci_text(e.get("tau_ci95")),
                              "τ offline": x["tau"], "offline 95%": _ci_text(x.get("tau_ci95")),
+                             "offline along": x.get("along", "greedy"),
                              "per position (offline)": " / ".join(f"{p:.0%}" for p in x["per_position"]
                                                                   if p is not None)})
     return pd.DataFrame(rows)

@@ -36,12 +36,12 @@ from eagle3data.core.reader import SampleKey, read_run
 from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
 from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.value.compare import _per_prompt, diff_to, diff_to_exact, storage_decision
-from eagle3data.value.engine import serve, serve_temperatures
+from eagle3data.value.engine import request_seed, serve_temperatures
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
 from eagle3data.value.online import online_handoff, train_online
 from eagle3data.value.plots import diff_figure, loss_figure, position_figure, size_figure, summary_markdown
-from eagle3data.value.sampling import offline_by_temperature, target_head_of, temperature_key
+from eagle3data.value.sampling import along_of, offline_by_temperature, target_head_of, temperature_key
 from eagle3data.value.spread import ratio_ci, seed_spreads, size_curve
 from eagle3data.value.train import (DRAFT_DIR, PEER_LOG, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft, training_identity)
@@ -143,38 +143,66 @@ def _eval_rows_path(run_dir: Path) -> Path:
     return run_dir / "value" / "eval_prompts.jsonl"
 
 
+def _reference_path(run_dir: Path, temperature: float) -> Path:
+    name = "reference.jsonl" if not temperature else f"reference_T{temperature_key(temperature)}.jsonl"
+    return run_dir / "value" / name
+
+
 def reference_continuations(params: RunParams, plan: ValuePlan, say: Callable[[str], None],
-                            model: Any = None) -> list[list[int]]:
-    """The target's greedy ids for every evaluation prompt: the plain vLLM server's (kept in value/reference.jsonl)."""
-
+                            model: Any = None) -> dict[float, list[list[int]]]:
+    """The target's own continuation of every evaluation prompt, {T: ids per prompt}: greedy at T = 0 (the
+    reference of offline τ at T = 0 and of the lossless check) and sampled at each `eval.temperatures` T > 0
+    (`request_seed(eval.seed, T, i)`, the plain tempered softmax: offline τ at T is taken along them, the contexts
+    the engine meets serving at T). One plain vLLM server for the temperatures not kept (value/reference*.jsonl,
+    reused while prompts, length, temperature and seeds match); without the engine, the HF model's `generate`."""
     ev = params.value.eval
-    path = plan.run_dir / "value" / "reference.jsonl"
-    want = [e.row() | {"max_new_tokens": ev.max_new_tokens} for e in plan.evals]
-    if path.exists():
-        rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-        if [{k: r[k] for k in ("dataset", "sample_id", "prompt_ids", "max_new_tokens")} for r in rows] == want:
-            say(f"reference continuations: {len(rows)} kept from {path}")
-            return [r["output_ids"] for r in rows]
+    temps = [0.0] + [float(t) for t in ev.temperatures if t]
+    want = {T: [e.row() | {"max_new_tokens": ev.max_new_tokens}
+                | ({"temperature": T, "seed": request_seed(ev.seed, T, i)} if T else {})
+                for i, e in enumerate(plan.evals)] for T in temps}
+    out: dict[float, list[list[int]]] = {}
+    for T in temps:
+        path = _reference_path(plan.run_dir, T)
+        if path.exists():
+            rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+            if [{k: r.get(k) for k in w} for r, w in zip(rows, want[T])] == want[T] and len(rows) == len(want[T]):
+                say(f"reference continuations at T = {T:g}: {len(rows)} kept from {path}")
+                out[T] = [r["output_ids"] for r in rows]
+    missing = [T for T in temps if T not in out]
+    if not missing:
+        return out
+    info: dict[str, Any] = {}
     if ev.engine:
-        served, info = serve(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
-                             stage="06_plain", concurrency=ev.concurrency, say=say, stop=stop_requested(plan.run_dir))
-        outs = [s.ids for s in served]
-        secs = [s.seconds for s in served]
+        by_t, info = serve_temperatures(params, ev.server, [e.prompt_ids for e in plan.evals], ev.max_new_tokens,
+                                        stage="06_plain", concurrency=ev.concurrency, say=say,
+                                        stop=stop_requested(plan.run_dir), temperatures=missing, seed=ev.seed)
+        got = {T: ([s.ids for s in by_t[T]], [s.seconds for s in by_t[T]]) for T in missing}
     else:
-        outs, secs, info = _hf_greedy(model, plan, ev.max_new_tokens), [None] * len(plan.evals), {}
-    write_atomic(path, "".join(json.dumps(w | {"output_ids": o, "seconds": s}) + "\n"
-                               for w, o, s in zip(want, outs, secs)).encode())
-    write_atomic(plan.run_dir / "value" / "plain_serving.json", json.dumps(info, indent=1).encode())
-    return outs
+        got = {T: (_hf_continuations(model, plan, ev.max_new_tokens, T, [w.get("seed") for w in want[T]]),
+                   [None] * len(plan.evals)) for T in missing}
+    for T, (outs, secs) in got.items():
+        write_atomic(_reference_path(plan.run_dir, T), "".join(json.dumps(w | {"output_ids": o, "seconds": s}) + "\n"
+                                                              for w, o, s in zip(want[T], outs, secs)).encode())
+        out[T] = outs
+    if info:
+        write_atomic(plan.run_dir / "value" / "plain_serving.json", json.dumps(info, indent=1).encode())
+    return out
 
 
-def _hf_greedy(model: Any, plan: ValuePlan, max_new: int) -> list[list[int]]:
+def _hf_continuations(model: Any, plan: ValuePlan, max_new: int, temperature: float,
+                      seeds: Sequence[int | None]) -> list[list[int]]:
+    """The HF model's continuations: greedy at T = 0, else sampled from the plain tempered softmax (no top-k/top-p),
+    the generator seeded per prompt."""
     import torch
 
     outs = []
-    for e in plan.evals:
+    for e, sd in zip(plan.evals, seeds):
+        kw: dict[str, Any] = {"do_sample": False}
+        if temperature:
+            torch.manual_seed(int(sd or 0))
+            kw = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
         with torch.inference_mode():
-            g = model.generate(torch.tensor([e.prompt_ids]), max_new_tokens=max_new, do_sample=False)
+            g = model.generate(torch.tensor([e.prompt_ids]), max_new_tokens=max_new, **kw)
         outs.append(g[0, len(e.prompt_ids):].tolist())
     return outs
 
@@ -209,19 +237,23 @@ def with_seed(params: RunParams, seed: int) -> RunParams:
 
 
 def _add_temperatures(prev: dict[str, Any], out: Path, seqs: list[EvalSeq], head: Callable[[Any], Any],
-                      params: RunParams, say: Callable[[str], None]) -> dict[str, Any]:
-    """A kept variant measured offline at the temperatures it lacks (its draft as trained; nothing else re-run)."""
+                      params: RunParams, say: Callable[[str], None],
+                      seqs_at: dict[float, list[EvalSeq]] | None = None) -> dict[str, Any]:
+    """A kept variant measured offline at the temperatures it lacks, or took along other continuations than
+    `seqs_at` gives (its draft as trained; nothing else re-run)."""
     temps = params.value.eval.temperatures
-    have = [set((f.get("offline_by_temperature") or {})) for f in prev["per_dataset"].values()]
+    have = [{t for t, x in (f.get("offline_by_temperature") or {}).items()
+             if x.get("along", "greedy") == along_of(float(t), seqs_at)} for f in prev["per_dataset"].values()]
     if all({temperature_key(t) for t in temps} <= h for h in have):
         return prev
     say(f"{out.name}: offline τ at temperatures {temps}")
     draft = load_draft(out / DRAFT_DIR)
-    pp, per_ds = offline_by_temperature(draft, seqs, head, params.value.eval.num_speculative_tokens, temps,
-                                        params.value.train.seed)
+    pp, anchors, per_ds = offline_by_temperature(draft, seqs, head, params.value.eval.num_speculative_tokens, temps,
+                                                 params.value.train.seed, at=seqs_at)
     rows = _per_prompt(out.parent, out.name)
-    for r, t in zip(rows, pp):
+    for r, t, a in zip(rows, pp, anchors):
         r["offline_accepted_by_temperature"] = (r.get("offline_accepted_by_temperature") or {}) | t
+        r["offline_anchors_by_temperature"] = (r.get("offline_anchors_by_temperature") or {}) | a
     for ds, f in prev["per_dataset"].items():
         f["offline_by_temperature"] = (f.get("offline_by_temperature") or {}) | per_ds[ds]
     write_atomic(out / "per_prompt.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
@@ -252,18 +284,21 @@ def _check_leaks(params: RunParams, plan: ValuePlan, vd: VariantData) -> None:
 
 
 def run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
-                say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None) -> dict[str, Any]:
+                say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None,
+                seqs_at: dict[float, list[EvalSeq]] | None = None) -> dict[str, Any]:
     """Build (or keep) one variant's data, train (or resume) its draft, then measure it offline (at every
     `eval.temperatures`, with the target's `head`) and through the engine. `folder`: `value/<folder>/` (default the
-    variant's name; exact's other seeds). The peer libraries' log lines go to `value/<folder>/peers.log`."""
+    variant's name; exact's other seeds); `seqs_at`: the evaluation prompts with the target's continuations sampled at
+    each T > 0 (offline τ at T is taken along them). The peer libraries' log lines go to `value/<folder>/peers.log`."""
     out = plan.run_dir / "value" / (folder or variant)
     out.mkdir(parents=True, exist_ok=True)
     with peers_to_log(out / PEER_LOG):
-        return _run_variant(params, plan, variant, seqs, say, head, folder)
+        return _run_variant(params, plan, variant, seqs, say, head, folder, seqs_at)
 
 
 def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[EvalSeq],
-                 say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None) -> dict[str, Any]:
+                 say: Callable[[str], None], head: Callable[[Any], Any], folder: str | None = None,
+                 seqs_at: dict[float, list[EvalSeq]] | None = None) -> dict[str, Any]:
     tp, ev = params.value.train, params.value.eval
     folder = folder or variant
     out = plan.run_dir / "value" / folder
@@ -278,7 +313,7 @@ def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Ev
         prev = json.loads(done.read_text(encoding="utf-8"))
         if prev.get("fingerprint") == fp and prev.get("engine_temperatures", [0.0] if ev.engine else []) == engine_temps:
             say(f"{folder}: finished earlier, kept ({done})")
-            prev = _add_temperatures(prev, out, seqs, head, params, say)
+            prev = _add_temperatures(prev, out, seqs, head, params, say, seqs_at)
             return prev | ({"data": vd.info} if vd.info else {})  # what is known of its data now
     if not vd.rows:
         raise ValueStageError(f"{vd.handoff / 'handoff.json'}: variant {variant} has no training rows")
@@ -299,7 +334,7 @@ def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Ev
     t0 = time.monotonic()
     offline = [offline_tau(draft, s, K, d2t) for s in seqs]
     offline_s = time.monotonic() - t0
-    by_t = offline_by_temperature(draft, seqs, head, K, ev.temperatures, tp.seed, greedy=offline)
+    by_t = offline_by_temperature(draft, seqs, head, K, ev.temperatures, tp.seed, greedy=offline, at=seqs_at)
     temps_s = time.monotonic() - t0 - offline_s
     del draft
     engine = bool(engine_temps)
@@ -311,13 +346,13 @@ def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Ev
     served = by_temp[0.0]
     per_prompt, per_ds = [], {}
     lossless_all = True
-    for i, (e, s, o, sv, bt) in enumerate(zip(plan.evals, seqs, offline, served, by_t[0])):
+    for i, (e, s, o, sv, bt, ba) in enumerate(zip(plan.evals, seqs, offline, served, by_t[0], by_t[1])):
         ref = s.input_ids[s.prompt_len:]
         lossless = None if sv is None else sv.ids == ref  # T = 0 only: at T > 0 lossless in distribution
         lossless_all &= lossless is not False
         per_prompt.append({"dataset": e.dataset, "sample_id": e.sample_id, "anchors": o.anchors,
                            "offline_accepted": sum(o.accepted), "tau_offline": o.tau,
-                           "offline_accepted_by_temperature": bt,
+                           "offline_accepted_by_temperature": bt, "offline_anchors_by_temperature": ba,
                            "engine_steps": None if sv is None else sv.steps,
                            "engine_accepted": None if sv is None else sv.accepted,
                            "tau_engine": None if sv is None else sv.tau, "lossless": lossless,
@@ -338,7 +373,7 @@ def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Ev
                                               if steps else None),
                       "lossless": None if not engine else all(p["lossless"] for p in pp),
                       "not_lossless": [p["sample_id"] for p in pp if p["lossless"] is False],
-                      "offline_by_temperature": by_t[1].get(ds),
+                      "offline_by_temperature": by_t[2].get(ds),
                       "engine_by_temperature": {t: dict(zip(("tau", "tau_ci95"), ratio_ci(
                           [p["engine_by_temperature"][t]["accepted"] for p in pp],
                           [p["engine_by_temperature"][t]["steps"] for p in pp], tp.seed)))
@@ -397,20 +432,23 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
     t0 = time.monotonic()
     model = None if params.value.eval.engine else load_extract_model(params)  # without an engine: loaded once
     refs = reference_continuations(params, plan, say, model)
-    seqs = [EvalSeq(e.dataset, e.sample_id, len(e.prompt_ids), e.prompt_ids + r) for e, r in zip(plan.evals, refs)]
+    at = {T: [EvalSeq(e.dataset, e.sample_id, len(e.prompt_ids), e.prompt_ids + r) for e, r in zip(plan.evals, outs)]
+          for T, outs in refs.items()}
+    seqs = at.pop(0.0)
     model = model if model is not None else load_extract_model(params)
     layers = layer_plan(params, load_config(params))
     if list(layers.hf_indices) != plan.layer_ids:
         raise ValueStageError(f"{plan.run_dir / 'hidden' / 'index.json'}: the store's layers {plan.layer_ids} are not "
                           f"the profile's plan {list(layers.hf_indices)} for this model")
-    say(f"target states over {len(seqs)} evaluation sequences")
+    say(f"target states over {len(seqs)} evaluation sequences" + (f", and their continuations sampled at T = "
+                                                                  f"{', '.join(f'{T:g}' for T in at)}" if at else ""))
     with peers_to_log(vdir / PEER_LOG):
-        target_states(model, layers, seqs)
+        target_states(model, layers, seqs + [s for v in at.values() for s in v])
     head = target_head_of(model)  # the final norm and head only: offline τ at T > 0 needs the target's distribution
     del model
-    results = [run_variant(params, plan, v, seqs, say, head) for v in plan.variants]
+    results = [run_variant(params, plan, v, seqs, say, head, seqs_at=at) for v in plan.variants]
     seeds = exact_seeds(params) if "exact" in plan.variants else []
-    seed_runs = [run_variant(with_seed(params, s), plan, "exact", seqs, say, head, folder=f"exact_seed{s}")
+    seed_runs = [run_variant(with_seed(params, s), plan, "exact", seqs, say, head, folder=f"exact_seed{s}", seqs_at=at)
                  for s in seeds[1:]]
     exact_folders = ["exact"] + [f"exact_seed{s}" for s in seeds[1:]]
     spread = (seed_spreads([r for r in results if r["variant"] == "exact"] + seed_runs,

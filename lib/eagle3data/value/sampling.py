@@ -25,7 +25,9 @@ steps accepted, and at T = 0 on the target's greedy output (the accepted token i
 α_k is the indicator `d2t-mapped argmax q == argmax p`: the figure is `offline.offline_tau`'s, bit for bit).
 At T > 0 the real chain goes on from the token it accepted (distributed as min(p, q)/α), not from the data's:
 the figure is speculative sampling's acceptance along the reference continuation's contexts, which is what
-the engine's counters measure on average when the continuations are typical of what it samples.
+the engine's counters measure on average when the continuations are typical of what it samples. So 06 takes
+τ at T along continuations the target itself sampled at T (`offline_by_temperature`'s `at`: a seeded plain
+server pass per T); along the greedy ones it overstates τ at T = 1 (measured in docs/06: 0.05 and 0.18).
 
 **Which draft distribution**: `draft_temperature=None` samples the draft at T too (the formula above, the
 EAGLE papers' speculative sampling). vLLM's v1 EAGLE proposer always drafts by argmax (vLLM PR #16899) and
@@ -185,29 +187,41 @@ def temperature_key(t: float) -> str:
 
 def offline_by_temperature(draft: Any, seqs: Sequence[EvalSeq], head: Callable[[Any], Any], K: int,
                            temperatures: Sequence[float], seed: int = 0,
-                           greedy: Sequence[Any] | None = None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+                           greedy: Sequence[Any] | None = None,
+                           at: dict[float, Sequence[EvalSeq]] | None = None
+                           ) -> tuple[list[dict[str, float]], list[dict[str, int]], dict[str, Any]]:
     """Offline τ at each temperature (the draft greedy, as vLLM's proposer drafts): per sequence
-    {T: expected accepted drafts}, and per evaluation set {T: {tau, tau_ci95 (ratio_ci over prompts), per_position}}.
-    `greedy`: `offline.offline_tau` per sequence (computed here when not given). T = 0 is its figure; with a T > 0
-    the one sampled pass also takes T = 0, which must equal it anchor for anchor (else ValueStageError): so the
-    defaults (`[0.0]`) cost no second pass."""
+    {T: expected accepted drafts} and {T: anchors}, and per evaluation set {T: {tau, tau_ci95 (ratio_ci over
+    prompts), per_position, along}}. `seqs`: the prompts with the target's greedy continuations; `at`: {T: the same
+    prompts, in order, with the continuation the target sampled at T} — τ at T is then taken along those (`along`
+    "sampled at T": the contexts the engine meets when it serves at T), else along the greedy ones (`along`
+    "greedy", which overstates τ at T > 0: measured in docs/06). `greedy`: `offline.offline_tau` per sequence
+    (computed here when not given), T = 0's figure. A T > 0 taken along the greedy continuations shares one sampled
+    pass with T = 0, which must equal the greedy chain anchor for anchor (else ValueStageError)."""
     import torch
 
     greedy = greedy if greedy is not None else [offline_tau(draft, s, K, draft.d2t) for s in seqs]
-    hot = [t for t in temperatures if t]
+    at = {float(T): v for T, v in (at or {}).items()}
+    for T, own in at.items():
+        if [(s.dataset, s.sample_id) for s in own] != [(s.dataset, s.sample_id) for s in seqs]:
+            raise ValueStageError(f"offline τ at T = {T:g}: its continuations are not of the evaluation prompts")
+    hot = [float(t) for t in temperatures if t and float(t) not in at]
     sampled = ([sampled_taus(draft, s, K, draft.d2t, head, [0.0] + hot, draft_temperature=0) for s in seqs]
                if hot else [[] for _ in seqs])
     bad = [s.sample_id for s, t, o in zip(seqs, sampled, greedy) if t and t[0].accepted != o.accepted]
     if bad:
         raise ValueStageError(f"offline τ at T = 0 differs from the greedy chain for {len(bad)} prompt(s) (first "
                               f"{bad[0]}): value/sampling.py and value/offline.py disagree")
+    own_taus = {T: [sampled_taus(draft, s, K, draft.d2t, head, [T], draft_temperature=0)[0] for s in at[T]]
+                for T in map(float, temperatures) if T in at and T}
     taus = []
-    for o, t in zip(greedy, sampled):
+    for i, (o, t) in enumerate(zip(greedy, sampled)):
         at0 = SampledTau(0.0, torch.tensor([[1.0] * a + [0.0] * (K - a) for a in o.accepted],
                                            dtype=torch.float64).reshape(-1, K))
-        by = {x.temperature: x for x in t[1:]} | {0.0: at0}
+        by = {x.temperature: x for x in t[1:]} | {0.0: at0} | {T: v[i] for T, v in own_taus.items()}
         taus.append([by[float(T)] for T in temperatures])
     per_prompt = [{temperature_key(x.temperature): round(sum(x.accepted), 4) for x in t} for t in taus]
+    anchors = [{temperature_key(x.temperature): x.anchors for x in t} for t in taus]
     per_ds: dict[str, Any] = {}
     for ds in dict.fromkeys(s.dataset for s in seqs):
         idx = [i for i, s in enumerate(seqs) if s.dataset == ds]
@@ -215,5 +229,12 @@ def offline_by_temperature(draft: Any, seqs: Sequence[EvalSeq], head: Callable[[
         for j, T in enumerate(temperatures):
             tau, ci = ratio_ci([sum(taus[i][j].accepted) for i in idx], [taus[i][j].anchors for i in idx], seed)
             per_ds[ds][temperature_key(T)] = {"tau": tau, "tau_ci95": ci,
-                                              "per_position": sampled_positions([taus[i][j] for i in idx], K)}
-    return per_prompt, per_ds
+                                              "per_position": sampled_positions([taus[i][j] for i in idx], K),
+                                              "along": along_of(float(T), at)}
+    return per_prompt, anchors, per_ds
+
+
+def along_of(T: float, at: dict[float, Any] | None) -> str:
+    """Which continuations offline τ at T is taken along: "greedy" (T = 0, or no sampled continuations given) or
+    "sampled at T"."""
+    return "sampled at T" if T and float(T) in (at or {}) else "greedy"
