@@ -21,7 +21,7 @@
 # **Reads:** `outputs/<run>/records/*.jsonl`, `reconstruct/<dataset>.jsonl` (02's rebuilt ids for
 # API records, when present), `ledger.json`.
 # **Writes:** `outputs/<run>/audit/verdicts.jsonl` (one line per record: dataset, sample_id, failed
-# check names, truncated), `audit/summary.json`, `provenance/03_audit.json`; `make run` renders
+# and flagging check names, truncated), `audit/summary.json`, `provenance/03_audit.json`; `make run` renders
 # this notebook, without code and without this cell (tag `notebook-only`), as `outputs/<run>/report.html`,
 # under a summary of the run.
 # **Parameters:** `params_file`, `overrides` (dotted keys, as `-p key value` on the CLI),
@@ -50,7 +50,8 @@ result = run_audit(P, progress=False, tokenizer=tok)
 s = result.summary()
 HTMLBlock(f"<p>Run <b>{P.run_name}</b> ({shown_path(P.run_dir)}), profile <b>{P.profile}</b>: {s['records']} records, "
           f"{s['output_tokens']:,} output tokens audited in {s['seconds']:.2f} s; <b>{s['records_failed']}</b> "
-          f"records failed a check, {s['records_truncated']} truncated (finish_reason length). "
+          f"records failed a check, {s['records_flagged']} flagged and kept (audit.flag_only), "
+          f"{s['records_truncated']} truncated (finish_reason length). "
           f"Notes: {'; '.join(s['notes']) or 'none'}.</p>" + audit_banners(result).html)
 
 # %% [markdown]
@@ -79,14 +80,16 @@ plots.prompt_length_bias(result.skipped_lengths)
 # profile without those tokens; tokenizer checks are `not run` without a tokenizer). Where a check
 # saw zero failures, `upper95` is the rule-of-three bound 3/n on its failure rate (as a percentage,
 # like the verdict), and `records_for_0.1%` is how many records would bound it below 0.1 %.
+# A check named in `audit.flag_only` (default: `text.roundtrip`) flags a record instead of failing it:
+# counted, bounded and shown, and the record stays in the training mix.
 
 # %%
 show_table(check_summary_view(result), "check-table")
 
 # %% [markdown]
 # Per dataset × source × provider: records, truncated, errors and records with any failure. Then
-# the check matrix, which shows only what informs: the checks that failed (or were not run)
-# somewhere, as `FAIL k/n (rate)` or `0/n` per group, and one column bounding every other check
+# the check matrix, which shows only what informs: the checks that failed, flagged (or were not run)
+# somewhere, as `FAIL k/n (rate)`, `flagged k/n (rate)` or `0/n` per group, and one column bounding every other check
 # of the group at once.
 
 # %%
@@ -132,11 +135,11 @@ inspect_record(result, ds, sid, tok)
 
 # %% [markdown]
 # ## 6. Failing records
-# The first few records of each failed check (`audit.failing_examples` per check), in the inspector.
+# The first few records of each failed or flagging check (`audit.failing_examples` per check), in the inspector.
 
 # %%
 views = failing_records(result, tok, P.audit.failing_examples)
-HTMLBlock("".join(v.html for v in views) or ("<p><b>No record failed a check.</b></p>" if s["records"]
+HTMLBlock("".join(v.html for v in views) or ("<p><b>No record failed or was flagged by a check.</b></p>" if s["records"]
                                               else "<p><b>No records to show: the run holds none.</b></p>"))
 
 # %% [markdown] tags=["hide-from-html"]
@@ -146,5 +149,7 @@ HTMLBlock("".join(v.html for v in views) or ("<p><b>No record failed a check.</b
 # %% tags=["hide-from-html"]
 figures = {"records": s["records"], "records_failed": s["records_failed"], "truncated": s["records_truncated"],
            "output_tokens": s["output_tokens"], "seconds": s["seconds"],
-           "failed_checks": {k: v["failed"] for k, v in s["checks"].items() if v["failed"]}}
+           "failed_checks": {k: v["failed"] for k, v in s["checks"].items() if v["failed"]},
+           "records_flagged": s["records_flagged"],
+           "flagged_checks": {k: v["flagged"] for k, v in s["checks"].items() if v["flagged"]}}
 figures
