@@ -34,8 +34,8 @@ from eagle3data.core.models import context_limit
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
-from eagle3data.hidden.store.failures import require_merged_states
-from eagle3data.hidden.mix import MIX_FILE, build_mix, hidden_dir, read_mix
+from eagle3data.hidden.store.failures import empty_mix_line, require_merged_states
+from eagle3data.hidden.mix import MANIFEST_FILE, MIX_FILE, build_mix, hidden_dir, read_mix
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE
 from eagle3data.core.params.export import ONLINE_FORMATS
 from eagle3data.export import online, text_drift
@@ -94,7 +94,8 @@ def select_samples(params: Any) -> Selection:
 
     Reads the written mix (`hidden/mix.parquet`) when there is one and checks it against the
     hidden-state index when 04 stored states; otherwise builds the mix with the same rule
-    (without writing it). The records come through the one reader, read once.
+    (without writing it). The records come through the one reader, read once. An empty mix is refused
+    (one line: its drop reasons): a hand-off of 0 rows is never written.
     """
     run_dir = params.run_dir
     if not (run_dir / "records").is_dir():
@@ -102,6 +103,7 @@ def select_samples(params: Any) -> Selection:
     hdir = hidden_dir(params)
     if (hdir / MIX_FILE).exists():
         mix, where = read_mix(hdir), f"{hdir / MIX_FILE} (04's mix)"
+        _refuse_empty(mix, hdir / MANIFEST_FILE)
         _check_index(hdir, mix)
         verified = _check_verified(hdir, run_dir, params.export.allow_unverified)
         view = read_run(run_dir, sorted({s.dataset for s in mix.samples}), error=ExportError,
@@ -111,6 +113,7 @@ def select_samples(params: Any) -> Selection:
                         error=ExportError)
         mix = build_mix(params, write=False, view=view, max_context=context_limit(params))
         where = "built here with the mix rule (no hidden/mix.parquet: 04 has not run)"
+        _refuse_empty(mix, "the mix built here with 04's rule (04 has not run)")
         verified = "no hidden states"
     records = view.by_key()
     samples = []
@@ -124,6 +127,12 @@ def select_samples(params: Any) -> Selection:
     return Selection(samples=samples, skipped=list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
                      include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where,
                      hidden_verification=verified)
+
+
+def _refuse_empty(mix: Any, where: Path | str) -> None:
+    """05 exports no hand-off of 0 rows: an empty mix is an ExportError naming its drop reasons."""
+    if not mix.samples:
+        raise ExportError(f"05: nothing to export: {empty_mix_line(mix, where)}")
 
 
 def _check_index(hdir: Path, mix: Any) -> None:

@@ -21,8 +21,7 @@ captures the states (the HF forward: `capture.py`; an engine: `engines/`) and ha
 One plan: `plan_extract(params)` builds the mix once, with the model's context limit (longer
 samples are dropped as `too_long`, never fed to the model), the layer plan, this worker's work
 and its estimate; `run_extract(params, plan=plan)` executes exactly that plan, and
-`run_extract(params)` is `run_extract(params, plan=plan_extract(params))`. The notebook calls
-the same two functions and only shows the plan in between.
+`run_extract(params)` is `run_extract(params, plan=plan_extract(params))`; the notebook calls them, showing the plan.
 
 Workers: `RANK`/`WORLD_SIZE` (as `torchrun` sets them) pick a deterministic disjoint part of
 the mix (mix position modulo world size); each writes its own shards; the worker that finds
@@ -47,7 +46,7 @@ from eagle3data.hidden.mix import Mix, build_mix, hidden_dir, read_mix
 from eagle3data.hidden.capture import (Capture, _sync, layer_plan, load_config, load_extract_model, pad_batch,
                                       plan_batches, probe)
 from eagle3data.hidden.store.format import HiddenError, _torch_dtype, stored_bytes_per_token, state_names
-from eagle3data.hidden.store.index import ShardScan, scan_shards
+from eagle3data.hidden.store.index import ShardScan, StoredMatch, match_stored, scan_shards
 from eagle3data.hidden.store.validation import Validation, validate_store
 from eagle3data.hidden.store.writer import open_writer
 from eagle3data.core.provenance import write_provenance
@@ -56,7 +55,7 @@ from eagle3data.hidden.engines.vllm_capture import capture_vllm, holds_vllm_serv
 from eagle3data.hidden.verify.run import VerifyResult, verify_store
 from eagle3data.hidden.merge import IncompleteError, merge_store
 from eagle3data.hidden.store.failures import (SamplesFailed, accepted_failures, accepted_line, clear_failures,
-                                              failed_line, hf_failure, short, write_failures)
+                                              failed_line, hf_failure, require_samples, short, write_failures)
 from eagle3data.hidden.verify.sglang import sglang_backend
 from eagle3data.hidden.verify.vllm import vllm_backend
 
@@ -112,7 +111,8 @@ class _ExtractLine:
 
 @dataclass
 class WorkPlan:
-    """This worker's share of the mix: samples still to extract, and those too long for the model."""
+    """This worker's share of the mix: samples still to extract (not stored, or stored with other ids: `stored`),
+    and those too long for the model."""
 
     rank: int
     world_size: int
@@ -121,10 +121,12 @@ class WorkPlan:
     too_long: list[dict[str, Any]]
     max_context: int
     scan: ShardScan
+    stored: StoredMatch
 
 
 def plan_work(params: RunParams, mix: Mix, *, rank: int, world_size: int) -> WorkPlan:
-    """Split the mix for this rank and leave out samples already in finished shards (reads headers only).
+    """Split the mix for this rank and leave out samples already in finished shards with their mix ids (reads headers
+    only: each copy's ids digest, `index.match_stored`); a sample stored with other ids is extracted again.
 
     Too-long sequences never reach here: the mix drops them (`too_long`, reported with the plan).
     """
@@ -134,9 +136,9 @@ def plan_work(params: RunParams, mix: Mix, *, rank: int, world_size: int) -> Wor
     too_long = [d for d in mix.dropped if d["reason"] == "too_long"]
     scan = scan_shards(hdir)  # deletes nothing: run_extract discards partial files when it executes the plan
     scan.check_kind(params.hidden.layout, state_names(params.hidden.final_state), hdir, params.hidden.codec())
-    done = scan.done_keys()
-    todo = [(i, s) for i, s in part if s.key not in done]
-    return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan)
+    stored = match_stored(scan, [s for _, s in part])
+    todo = [(i, s) for i, s in part if s.key not in stored.chosen]
+    return WorkPlan(rank, world_size, part, todo, too_long, max_ctx, scan, stored)
 
 
 @dataclass
@@ -302,6 +304,7 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
     config, mix, layers, work, est = plan.config, plan.mix, plan.layers, plan.work, plan.estimate
     if rank == 0:
         write_provenance(params.run_dir, STAGE, params)
+    require_samples(mix, hdir)  # every record dropped: nothing to store is a failed stage (MixEmpty, one line)
     check_disk(est, hdir)
     # what a crash left: this worker's partial files (every worker's when alone); the plan never counted them as done
     discarded = scan_shards(hdir, discard_for_rank=rank, discard_all=world == 1).discarded
@@ -318,6 +321,10 @@ def run_extract(params: RunParams, progress: bool = True, *, model: Any = None, 
         "extracted": 0, "tokens": 0, "computed_tokens": 0, "padded_tokens": 0, "batches": 0, "shards_written": 0,
         "seconds": 0.0, "tokens_per_s": None, "pad_fraction": None, "stopped_early": False,
     }
+    if work.stored.stale:  # stored with other ids than the mix's: in `todo`, extracted again (a clean run: no row)
+        stats["stale_reextracted"] = len(work.stored.stale)
+    if progress and (said := work.stored.line()):
+        print(said, flush=True)
     info = {"model": params.model.name, "profile": params.profile, "hidden_size": stats["hidden_size"],
             "dtype": hp.dtype, "num_layers": layers.num_layers, "hf_indices": list(layers.hf_indices),
             "layer_outputs": list(layers.layer_outputs), "states": list(state_names(hp.final_state)),

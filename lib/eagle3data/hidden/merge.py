@@ -15,7 +15,7 @@ import orjson
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import AuxLayers
 from eagle3data.hidden.mix import Mix, hidden_dir, read_mix
-from eagle3data.hidden.store.failures import drop_failed, read_failures
+from eagle3data.hidden.store.failures import drop_failed, read_failures, require_samples
 from eagle3data.hidden.store.format import INFO_FILE, HiddenError, state_names
 from eagle3data.hidden.store.index import index_rows, scan_shards, write_index
 from eagle3data.hidden.verify.record import keep_verification
@@ -34,9 +34,10 @@ def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: 
     """Build the one `index.parquet` (+ `index.json`) from every worker's finished shards (`store.index.write_index`),
     for a store of `layers` (the model's layer plan) and `hidden_size`; `extract.merge_index` is this for the model.
 
-    Each mix sample appears once (a sample found in two shards, e.g. after the world size
-    changed mid-run, is indexed from the first shard by name and counted as a duplicate);
-    shard samples no longer in the mix are left out and counted as stale. Raises
+    Each mix sample appears once, from a copy that holds its mix ids (`index.match_stored`: a sample found in two
+    shards with them, e.g. after the world size changed mid-run, is indexed from the first shard by name and counted
+    as a duplicate); shard samples no longer in the mix, and copies of a mix key stored with other ids (01 or 02 ran
+    again since), are left out and counted as stale. MixEmpty when the mix holds no sample. Raises
     IncompleteError while samples are missing, unless `allow_partial`, or unless each missing one is a sample a
     worker failed (`failures.read_failures`) and they are at most `hidden.allow_failed_samples`: those leave the
     mix (`failures.drop_failed`: drop reason `capture_failed`) and are named in `index.json` (`failed_samples`). A
@@ -57,6 +58,7 @@ def merge_store(params: RunParams, layers: AuxLayers, hidden_size: int, *, mix: 
             accepted = [{k: v for k, v in failed[k].items() if k != "file"} for k in missing]
             mix = drop_failed(mix, accepted, hdir)
             rows, missing, duplicates, stale = index_rows(scan, mix.samples)
+    require_samples(mix, hdir)  # an empty mix (every record dropped, or every sample failed) merges no index
     if missing and not allow_partial:
         raise IncompleteError(f"{len(missing)} of {len(mix.samples)} mix samples are not stored yet "
                               f"(e.g. {missing[:3]}): other workers still running, or resume this one", len(missing))

@@ -1,5 +1,7 @@
 """A content checksum per stored file (shard or per-sample trainer file): written with the file, kept in the index,
-checked by verify-hidden and by 05 before it links or converts (docs/04 "Checksums").
+checked by verify-hidden and by 05 before it links or converts (docs/04 "Checksums"); and the digest of a stored
+sample's input ids (`ids_digest`, in its file's own index entry), by which a resume knows a stored sample is still the
+mix's (`index.match_stored`).
 
 xxHash's XXH3-128 (`xxhash`, the package `datasets` depends on): 9.8 GB/s in memory on this machine against 0.87 GB/s
 for writing and fsyncing the same bytes, where hashlib's blake2b gives 0.47 and zlib's crc32 1.5 (2026-12-04); a shard's
@@ -36,6 +38,14 @@ def file_checksum(path: str | Path) -> str:
             return f"{ALGORITHM}:{xxhash.xxh3_128().hexdigest()}"
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return f"{ALGORITHM}:{xxhash.xxh3_128(m).hexdigest()}"
+
+
+def ids_digest(ids: Any) -> str:
+    """`xxh3_128:<hex>` of a sequence's input ids as the store holds them (int32 bytes)."""
+    import numpy as np
+    import xxhash
+
+    return f"{ALGORITHM}:{xxhash.xxh3_128(np.asarray(ids, dtype=np.int32).tobytes()).hexdigest()}"
 
 
 def record(hdir: Path, rank: int, rel: str, checksum: str) -> None:

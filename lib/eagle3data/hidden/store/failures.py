@@ -16,12 +16,17 @@ error, the pass and the engine's own ledger. Then:
 A server 04 launched that dies under it (killed, crashed) is `EngineDied` (exit 1): the capture stops at once,
 keeps what came back, stops what is left of the server, and names the server's log.
 
+A mix with no sample (every record dropped: failed the audit, errors, ...; or every sample failed and accepted) is
+`MixEmpty` (exit 1, one line: the records, each drop reason with its count, the mix manifest): 04 stores nothing and
+merges no index (`require_samples`, before the capture and at the merge); 05 refuses such a mix too (`empty_mix_line`).
+
 `require_merged_states` is 05's side: a format whose hand-off needs the states is refused (exit 2, one line)
 for a run whose 04 planned a mix and merged no index.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,7 @@ import orjson
 
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.reader import Sample
-from eagle3data.hidden.mix import MIX_FILE, Mix, hidden_dir, mix_figures, write_mix
+from eagle3data.hidden.mix import MANIFEST_FILE, MIX_FILE, Mix, hidden_dir, mix_figures, write_mix
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE, HiddenError
 from eagle3data.trainers.registry import TRAINERS
 
@@ -50,6 +55,12 @@ class SamplesFailed(HiddenError):
 
 class EngineDied(HiddenError):
     """The server 04 launched died during the capture (exit status 1); what came back is stored."""
+
+    status = 1
+
+
+class MixEmpty(HiddenError):
+    """The training mix holds no sample: 04 has nothing to store, a failed stage (exit status 1)."""
 
     status = 1
 
@@ -149,6 +160,21 @@ def failed_line(failures: list[dict[str, Any]], tried: int, path: Path | None, l
     return (f"{len(failures)} of {tried} samples failed after their retries, first {first['key']}: "
             f"{short(first.get('error'))}; ledger: {where}; no index merged, nothing to export: run the same "
             f"command again to retry them ({accept})")
+
+
+def empty_mix_line(mix: Mix, where: Path | str) -> str:
+    """Why a mix is empty, in one line: its records, each drop reason with its count (most first), where to look."""
+    n = len(mix.dropped)
+    reasons = ", ".join(f"{r} {c}" for r, c in sorted(Counter(d["reason"] for d in mix.dropped).items(),
+                                                         key=lambda x: (-x[1], x[0])))
+    return (f"the mix is empty: {n} record{'s' if n != 1 else ''}, all dropped ({reasons})" if n
+            else "the mix is empty: no records of the chosen datasets") + f": see {where}"
+
+
+def require_samples(mix: Mix, hdir: Path) -> None:
+    """04's rule for a mix with no sample: MixEmpty (one line naming the mix manifest), nothing stored or merged."""
+    if not mix.samples:
+        raise MixEmpty("04: " + empty_mix_line(mix, hdir / MANIFEST_FILE) + "; no index merged, nothing to export")
 
 
 def require_merged_states(params: Any, fmt: str) -> None:

@@ -1,5 +1,6 @@
-"""The store's one index: the finished files found on disk (`scan_shards`, partial ones discarded), and
-`index.parquet` + `index.json` of the mix's samples in mix order (`index_rows`, `write_index`)."""
+"""The store's one index: the finished files found on disk (`scan_shards`, partial ones discarded), which stored copy
+is each mix sample's (`match_stored`: its key and its ids), and `index.parquet` + `index.json` of the mix's samples
+in mix order (`index_rows`, `write_index`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from eagle3data.core.atomic import atomic_path, write_atomic
 from eagle3data.core.quant import StateCodec
 from eagle3data.core.reader import Sample, SampleKey
 from eagle3data.hidden.mix import tmp_tag
-from eagle3data.hidden.store.checksum import ALGORITHM, store_checksums
+from eagle3data.hidden.store.checksum import ALGORITHM, ids_digest, store_checksums
 from eagle3data.hidden.store.format import (INDEX_COLUMNS, INDEX_FILE, INFO_FILE, OLD_STATES, SHARD_SUFFIX, HiddenError,
                                            read_shard_meta, sample_dir, shard_dir, stored_bytes_per_token)
 from eagle3data.trainers.registry import trainer_for_suffix
@@ -40,8 +41,58 @@ class ShardScan:
                 f"{codec.as_dict()}: set them as the store was written, or delete {where} "
                 "(or point hidden.out_dir elsewhere) to extract again")
 
-    def done_keys(self) -> set[str]:
-        return {SampleKey.of(e) for es in self.shards.values() for e in es}
+    def copies(self) -> dict[SampleKey, list[tuple[str, dict[str, Any]]]]:
+        """Each stored key's copies, (file, entry), files in name order."""
+        out: dict[SampleKey, list[tuple[str, dict[str, Any]]]] = {}
+        for f, entries in sorted(self.shards.items()):
+            for e in entries:
+                out.setdefault(SampleKey.of(e), []).append((f, e))
+        return out
+
+
+@dataclass
+class StoredMatch:
+    """Which stored copy is each sample's: `chosen` (key -> (file, entry)): the first file by name whose copy holds the
+    sample's own ids (its `ids_digest`; a file written before digests: the same token count); `stale`: keys stored only
+    with other ids (01 or 02 ran again since: extracted again, never indexed); `duplicates`: other copies with the
+    sample's ids; `by_length`: chosen copies compared by token count only."""
+
+    chosen: dict[SampleKey, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    stale: list[SampleKey] = field(default_factory=list)
+    stale_copies: int = 0
+    duplicates: int = 0
+    by_length: int = 0
+
+    def line(self) -> str | None:
+        """04's one line on stored samples that are not the mix's any more, and on those compared by token count only
+        (None when neither)."""
+        n, k = len(self.stale), self.by_length
+        parts = ([f"{n} stored sample{'s' if n != 1 else ''} held other ids than the mix (01 or 02 ran again since): "
+                  f"extracted again, the stale cop{'ies' if n != 1 else 'y'} left out of the index (e.g. {self.stale[0]})"]
+                 if n else []) + ([f"{k} stored sample{'s' if k != 1 else ''} without an ids digest (written before "
+                                   "digests) resumed by token count only"] if k else [])
+        return "04: " + "; ".join(parts) if parts else None
+
+
+def match_stored(scan: ShardScan, samples: Sequence[Sample]) -> StoredMatch:
+    """The stored copy of each of `samples` (`StoredMatch`): a copy counts only when it holds the sample's ids."""
+    copies, m = scan.copies(), StoredMatch()
+    for s in samples:
+        got = copies.get(s.key)
+        if not got:
+            continue
+        digest = ids_digest(s.input_ids)
+        same = [c for c in got if c[1].get("ids_digest") == digest]
+        old = [c for c in got if c[1].get("ids_digest") is None and int(c[1].get("length", -1)) == len(s.input_ids)]
+        good = same + old
+        m.stale_copies += len(got) - len(good)
+        if not good:
+            m.stale.append(s.key)
+            continue
+        m.chosen[s.key] = good[0]
+        m.duplicates += len(good) - 1
+        m.by_length += not same
+    return m
 
 
 def _file_kind(meta: dict[str, Any]) -> tuple[str, tuple[str, ...], StateCodec]:
@@ -97,25 +148,17 @@ def index_rows(scan: ShardScan, samples: Sequence[Sample]) -> tuple[list[dict[st
     """The index rows of the mix `samples` found in the stored files, in mix order: (rows, missing keys,
     duplicates, stale).
 
-    Each mix sample appears once (a sample found in two files, e.g. after the world size
-    changed mid-run, is indexed from the first file by name and counted as a duplicate); stored
-    samples no longer in the mix are left out and counted as stale.
+    Each mix sample appears once, from its copy that holds its ids (`match_stored`: a sample found in two files
+    with its ids, e.g. after the world size changed mid-run, is indexed from the first file by name and counted as a
+    duplicate); stored samples no longer in the mix, and copies of a mix key with other ids, are left out and
+    counted as stale.
     """
     want = {s.key: i for i, s in enumerate(samples)}
-    rows: dict[str, dict[str, Any]] = {}
-    duplicates = stale = 0
-    for shard, entries in sorted(scan.shards.items()):
-        for e in entries:
-            k = SampleKey.of(e)
-            if k not in want:
-                stale += 1
-                continue
-            if k in rows:
-                duplicates += 1
-                continue
-            rows[k] = {**e, "key": str(k), "turn": k.turn, "position": want[k], "shard": shard}
-    missing = [str(k) for k in want if k not in rows]
-    return sorted(rows.values(), key=lambda r: r["position"]), missing, duplicates, stale
+    m = match_stored(scan, samples)
+    stale = m.stale_copies + sum(len(es) for k, es in scan.copies().items() if k not in want)
+    rows = [{**e, "key": str(k), "turn": k.turn, "position": want[k], "shard": f} for k, (f, e) in m.chosen.items()]
+    missing = [str(k) for k in want if k not in m.chosen]
+    return sorted(rows, key=lambda r: r["position"]), missing, m.duplicates, stale
 
 
 def write_index(hdir: Path, rows: list[dict[str, Any]], scan: ShardScan, run: dict[str, Any],

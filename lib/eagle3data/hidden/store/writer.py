@@ -13,7 +13,7 @@ import orjson
 from eagle3data.core.atomic import atomic_path
 from eagle3data.core.quant import StateCodec
 from eagle3data.core.reader import Sample
-from eagle3data.hidden.store.checksum import record_file
+from eagle3data.hidden.store.checksum import ids_digest, record_file
 from eagle3data.hidden.store.format import (SHARD_ID_MASK_BYTES, SHARD_SUFFIX, HiddenError, sample_dir, shard_dir,
                                            split_states)
 from eagle3data.trainers.base import Trainer
@@ -21,10 +21,11 @@ from eagle3data.trainers.registry import get_trainer
 
 
 def index_entry(s: Sample, position: int, offset: int) -> dict[str, Any]:
-    """A stored sample's index row: its key (and the row it is made from: dataset, sample_id, turn), where it lies."""
+    """A stored sample's index row: its key (and the row it is made from: dataset, sample_id, turn), where it lies,
+    and the digest of its ids (what a resume compares with the mix's: `index.match_stored`)."""
     return {"key": str(s.key), "dataset": s.dataset, "sample_id": s.sample_id, "turn": s.turn, "source": s.source,
             "ids_exact": s.ids_exact, "position": position, "offset": offset, "length": len(s.input_ids),
-            "loss_tokens": int(sum(s.loss_mask))}
+            "loss_tokens": int(sum(s.loss_mask)), "ids_digest": ids_digest(s.input_ids)}
 
 
 class ShardWriter:
