@@ -23,7 +23,7 @@
 # **Writes:** `outputs/<run>/value/` (`eval_prompts.jsonl`, `reference.jsonl`, `<variant>/draft/`,
 # `<variant>/train_log.jsonl`, `<variant>/peers.log`, `<variant>/result.json`, `<variant>/run/` (a
 # derived variant's data, made by the stages; `sampled` and `double` by 01 too, in `<variant>/gen_*/`),
-# `summary.json`), `provenance/06_value.json`.
+# `summary.json`; `reference_T<T>.jsonl`: the target's own continuations sampled at each T > 0), `provenance/06_value.json`.
 # **Parameters:** `params_file`, `overrides`; the stage's own keys live under `value:` (`variants`,
 # `train`, `eval`). See `docs/06_value.md`.
 
@@ -93,7 +93,7 @@ summary.get("storage_decision")
 # ## 5. How sure: τ at the sampling temperatures, over training seeds, per doubling of data
 # τ at each `value.eval.temperatures`: offline (T = 0: the offline column above; T > 0: speculative
 # sampling's acceptance of the draft's greedy tokens, as vLLM proposes them, against the target's tempered
-# distribution) and through the engine for the variants it served (`value.eval.engine_variants`; its
+# distribution, along continuations the target itself sampled at T: `offline along`) and through the engine for the variants it served (`value.eval.engine_variants`; its
 # rejection sampler, each request seeded). Then each Δτ per temperature (sampled against exact: greedy or
 # sampled regeneration at the temperature one serves; sampled_retokenized against sampled), exact's τ over
 # `value.train.seeds` (empty with one seed: each Δτ above is judged against it as well,
