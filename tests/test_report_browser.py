@@ -235,6 +235,7 @@ def _whitespace_run(run_dir: Path, tok) -> Path:
     import orjson
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
+    from eagle3data.audit.checks import FLAG
     from eagle3data.audit.run import audit_table
     from eagle3data.audit.idtable import read_journal
     from eagle3data.audit.inspector import inspect_record
@@ -253,7 +254,7 @@ def _whitespace_run(run_dir: Path, tok) -> Path:
             for sid, o in ((1, out1), (2, out2))]
     (run_dir / "records" / "code.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
     result = audit_table(read_journal(run_dir / "records" / "code.jsonl", source_fields=True), SMOLLM2, tokenizer=tok)
-    assert result.status.at[1, "text.roundtrip"] == 1  # record 2 fails the roundtrip (the split `hello`)
+    assert result.status.at[1, "text.roundtrip"] == FLAG  # record 2 fails the roundtrip (the split `hello`): a flag
 
     def html_cell(h: str, **meta) -> Any:
         c = new_code_cell("x", outputs=[new_output("execute_result", execution_count=1,
@@ -291,8 +292,8 @@ def test_whitespace_tokens_stay_visible_and_tokens_never_break_in_the_browser(tm
     assert "decode\u2192encode diverges at output position 1 " in text, text[-3000:]  # 'Say',' ' vs 'Say',' hello'
     assert "re-encoding gives" in text and "re-encoded token" in text  # both sides, ids and tokens
     assert seen["outlined"] == 2  # the divergent token, in the decoded output and in the full sequence
-    assert "FAIL 1/2" in text and seen["matrix_scroll"] == ["auto"]
-    assert "failed at least one check" in text  # the banner
+    assert "flagged 1/2" in text and seen["matrix_scroll"] == ["auto"]
+    assert "records flagged (audit.flag_only)" in text  # the banner
     assert "FIGURES-FOR-TESTS" not in raw and "Figures recorded for tests" not in raw
     assert "records/code.jsonl" in text and str(tmp_path) not in raw  # relative to the run folder
     assert "provider None" not in text and "word-break:break-all" not in raw
