@@ -5,7 +5,8 @@ run folder of its own, `value/<variant>/run/`, holding the training conversation
 ones) and made into a speculators hand-off by 02, 04 and 05 with params, as a user would make it:
 
 - `retokenized`: the exact records as an API returns them (text, billed counts; no ids) -> 02 rebuilds the ids
-  from the text (its one split and checks) -> 04 computes the states for those ids -> 05;
+  from the text (its one split and checks) -> 04 computes the states for those ids (every rebuilt record: its
+  `min_proof_level` is `text`, as a re-tokenizing user keeps them all) -> 05;
 - `dataset_replies`: the dataset's own replies (its prompt file's `meta.reference_reply`, read as 01 reads the
   file) in place of the target's outputs, as text
   records -> 02 -> 04 -> 05: what a user trains on who skips 01 (02's proof is `text`: no billed counts, so 04's
@@ -27,7 +28,8 @@ sampling settings: 01 resumes there), the training conversations' records then g
 - `sampled`: the run's prompts regenerated at `value.sampled_temperature` (1.0, seeded by the run's
   `generate.sampling.seed`: as the Kimi params regenerate);
 - `sampled_retokenized`: sampled's records (those its 04 mixed) as an API returns them (text) -> 02 -> 04 -> 05:
-  re-tokenization where the target's output is sampled, and takes splits its tokenizer would not;
+  re-tokenization where the target's output is sampled, and takes splits its tokenizer would not (04's
+  `min_proof_level` `text`, as for `retokenized`);
 - `double`: each dataset's `limit` doubled (the run's prompts, the first `limit` of the seeded order, and as many
   new ones), greedy as the run: the data-size curve's point above exact (`quarter` and `half` are exact's first
   rows). The run's held-out conversations stay out of its training rows; its new prompts are checked for leaks.
@@ -112,6 +114,11 @@ def variant_params(params: RunParams, variant: str) -> RunParams:
     export: dict[str, Any] = {"formats": ["speculators"]}
     if variant == "dataset_replies":
         hidden["min_proof_level"] = "text"  # replies nobody billed: 02 proves the text, no count
+    elif variant in ("retokenized", "sampled_retokenized"):
+        # a user who re-tokenizes API text trains on every rebuilt record: a non-canonical split re-encodes to another
+        # count than the API billed (02's proof then stops at `text`), and dropping those rows would price the
+        # re-tokenization with half the data (measured: sampled_retokenized kept 184 of sampled's 368 rows)
+        hidden["min_proof_level"] = "text"
     elif variant == "shifted":
         hidden["verify_after"] = False  # verify-hidden's own command judges it below
         export["allow_unverified"] = True
