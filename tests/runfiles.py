@@ -141,9 +141,10 @@ def as_written(hdir: Path, *files: str | Path) -> None:
         pq.write_table(t, hdir / "index.parquet")
 
 
-def ci_records_through_04(ci_run: Any, root: Path) -> Any:
-    """The ci run's records copied into `root`, stored by 04 in speculators' layout (bf16, HF forward, no probe) with
-    a 64-token draft vocabulary for 05: the params of that run (05 left to the caller)."""
+def ci_records_through_04(ci_run: Any, root: Path, storage: str | None = "bf16") -> Any:
+    """The ci run's records copied into `root`, stored by 04 in speculators' layout (`storage`, bf16 unless given;
+    None: the layout's default; HF forward, no probe) with a 64-token draft vocabulary for 05: the params of that run
+    (05 left to the caller)."""
     import shutil
 
     import pytest
@@ -154,7 +155,7 @@ def ci_records_through_04(ci_run: Any, root: Path) -> Any:
     shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
     p = load_params(Path(__file__).resolve().parents[1] / "params" / "ci.yaml",
                     {"output_root": str(root), "hidden.probe_batches": 0, "hidden.layout": "speculators",
-                     "hidden.storage": "bf16", "export.draft_vocab_size": 64})
+                     "export.draft_vocab_size": 64} | ({"hidden.storage": storage} if storage else {}))
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RANK", raising=False)
         mp.delenv("WORLD_SIZE", raising=False)

@@ -20,8 +20,8 @@ import torch
 from eagle3data.core.params import VLLMServerParams, load_params
 from eagle3data.export import handoff as HO
 from eagle3data.hidden.capture import layer_plan, load_config, load_extract_model
-from eagle3data.hidden.extract import run_extract
-from eagle3data.hidden.mix import read_mix
+from eagle3data.hidden.mix import hidden_dir, read_mix
+from runfiles import ci_records_through_04
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_problems, leak_problems
 from eagle3data.value.offline import (EvalSeq, OfflineTau, accepted_per_anchor, chain_correct, offline_tau, per_position,
                                      target_states)
@@ -37,16 +37,8 @@ K = 3
 @pytest.fixture(scope="module")
 def handoff(ci_run, tmp_path_factory):
     """The ci run's records through 04 (speculators' layout) and 05's speculators hand-off (draft vocab 64)."""
-    root = tmp_path_factory.mktemp("value")
-    shutil.copytree(ci_run.run_dir / "records", root / "ci" / "records")
-    p = load_params(REPO / "params" / "ci.yaml", {"output_root": str(root), "hidden.probe_batches": 0,
-                                                  "hidden.layout": "speculators", "export.draft_vocab_size": 64})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("RANK", raising=False)
-        mp.delenv("WORLD_SIZE", raising=False)
-        res = run_extract(p, progress=False)
-    assert res.merged and res.verification.ok
-    HO.write_handoff(p, read_mix(res.hidden_dir).samples, p.run_dir / "export" / "speculators", "speculators")
+    p = ci_records_through_04(ci_run, tmp_path_factory.mktemp("value"), storage=None)  # the layout's default store
+    HO.write_handoff(p, read_mix(hidden_dir(p)).samples, p.run_dir / "export" / "speculators", "speculators")
     return p
 
 
