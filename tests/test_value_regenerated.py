@@ -43,10 +43,6 @@ def _ids(handoff: Path) -> dict[str, list[int]]:
     return {k: list(map(int, ds[i]["input_ids"])) for i, k in enumerate(_keys(handoff))}
 
 
-def s_info_ok(info: dict, records: int) -> bool:
-    return info["generate"]["new_records"] == records and info["generate"]["temperature"] == 0.0
-
-
 def _records(folder: Path) -> list[dict]:
     return [orjson.loads(x) for f in sorted((folder / "records").glob("*.jsonl"))
             for x in f.read_bytes().splitlines() if x.strip()]
@@ -113,12 +109,18 @@ def test_double_generates_the_runs_prompts_and_as_many_new_ones_and_quarter_take
     keys = _keys(exact)
     held = frozenset({keys[-1].split("#", 1)[0]})
     train = [k for k in keys if k.split("#", 1)[0] not in held]
-    d = build_variant(base, "double", train, lambda s: None, held=held)
+    said: list[str] = []
+    d = build_variant(base, "double", train, said.append, held=held)
     gen = _records(next((base.run_dir / "value" / "double").glob("gen_*")))
-    run_ids = {(r["dataset"], str(r["sample_id"])) for r in _records(base.run_dir)}
+    run_recs = _records(base.run_dir)
+    run_ids = {(r["dataset"], str(r["sample_id"])) for r in run_recs}
     gen_ids = {(r["dataset"], str(r["sample_id"])) for r in gen}
     # the run's prompts, and as many new ones as the datasets hold (ci's b5_openthoughts has 3 of the 4 asked)
-    assert run_ids < gen_ids and len(gen_ids) == 7 and s_info_ok(d.info, len(gen))
+    assert run_ids < gen_ids and len(gen_ids) == 7 and len(gen) == 7
+    # the run's own records are the first half, as 01 wrote them (never generated again): 01 made the new ones only
+    assert all(r in gen for r in run_recs) and d.info["generate"]["reused_from_run"] == len(run_recs)
+    assert d.info["generate"]["new_records"] == len(gen) - len(run_recs) == 3
+    assert any(f"{len(run_recs)} of the run's own 01 records copied" in x for x in said)
     assert {r["sampling"]["temperature"] for r in gen} == {0.0}
     dkeys = _keys(d.handoff)
     rows = [dkeys[i] for i in d.rows]
@@ -128,6 +130,34 @@ def test_double_generates_the_runs_prompts_and_as_many_new_ones_and_quarter_take
 
     q = variant_data(base, "quarter", exact, list(range(8)), keys, lambda s: None)
     assert q.handoff == exact and q.rows == [0, 1]
+
+
+def test_the_runs_records_go_into_a_new_journal_only_and_only_those_01_would_write_with_its_settings(base, tmp_path):
+    from eagle3data.value.variants import _generate_params, reuse_run_records, variant_params
+
+    gp = _generate_params(variant_params(base, "double"))
+    gp = gp.model_validate(gp.model_dump(mode="json") | {"output_root": str(tmp_path)})  # double's 01, elsewhere
+    run_recs = _records(base.run_dir)
+    assert reuse_run_records(base, gp) == len(run_recs) and _records(gp.run_dir) == run_recs
+    assert reuse_run_records(base, gp) == 0 and _records(gp.run_dir) == run_recs  # a journal begun is never rewritten
+    # other sampling (here a temperature), another model's name, or an error: none is copied
+    data = gp.model_dump(mode="json")
+    data["output_root"], data["generate"]["sampling"]["temperature"] = str(tmp_path / "hot"), 0.7
+    assert reuse_run_records(base, gp.model_validate(data)) == 0
+    data["output_root"], data["generate"]["sampling"]["temperature"] = str(tmp_path / "named"), 0.0
+    data["model"]["name"] = "another/model"
+    assert reuse_run_records(base, gp.model_validate(data)) == 0
+    src = base.model_validate(base.model_dump(mode="json") | {"output_root": str(tmp_path / "src"), "run_name": "r"})
+    (src.run_dir / "records").mkdir(parents=True)
+    bad = [r | {"finish_reason": "error", "output_ids": None, "ids_exact": False} if i == 0 else r
+           for i, r in enumerate(run_recs)]
+    name = run_recs[0]["dataset"]
+    (src.run_dir / "records" / f"{name}.jsonl").write_bytes(
+        b"".join(orjson.dumps(r) + b"\n" for r in bad if r["dataset"] == name))
+    data["output_root"], data["model"]["name"] = str(tmp_path / "errors"), base.model.name
+    got = gp.model_validate(data)
+    assert reuse_run_records(src, got) == sum(r["dataset"] == name for r in run_recs) - 1
+    assert all(r["finish_reason"] != "error" for r in _records(got.run_dir))
 
 
 def test_the_plan_refuses_what_cannot_be_compared_or_doubled_and_the_engine_serves_the_variants_asked(base):

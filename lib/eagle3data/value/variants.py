@@ -33,6 +33,8 @@ sampling settings: 01 resumes there), the training conversations' records then g
 - `double`: each dataset's `limit` doubled (the run's prompts, the first `limit` of the seeded order, and as many
   new ones), greedy as the run: the data-size curve's point above exact (`quarter` and `half` are exact's first
   rows). The run's held-out conversations stay out of its training rows; its new prompts are checked for leaks.
+  The run's own 01 records of its prompts go into the variant's 01 journal before 01 starts (`reuse_run_records`:
+  as a user doubling a run keeps what it made), so 01 generates the new half only.
 
 A built variant is kept (`value/<variant>/run/built.json`, with its params' fingerprint); a stopped build resumes
 through the stages' own resume (04 keeps what it stored).
@@ -60,6 +62,7 @@ from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.reader import SampleKey, read_run
+from eagle3data.core.records import scan_journal
 from eagle3data.export.run import run_export
 from eagle3data.generate.run import run_generate
 from eagle3data.hidden.extract import plan_extract, run_extract
@@ -261,6 +264,10 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
     if variant in GENERATED:  # 01 makes the records again, in its own run folder (it resumes there)
         gp = _generate_params(vp)
         check_stop("01")
+        reused = reuse_run_records(params, gp) if variant == "double" else 0
+        if reused:
+            say(f"{variant}: {reused:,} of the run's own 01 records copied into {gp.run_dir / 'records'} (its "
+                "prompts are the first half of the doubled ones): 01 generates the others")
         say(f"{variant}: 01 generates {sum(d.limit or 0 for d in gp.datasets):,} prompts' outputs "
             f"(temperature {gp.generate.sampling.temperature}, seed {gp.generate.sampling.seed}, "
             f"{gp.generate.backend}) into {gp.run_dir}")
@@ -278,7 +285,7 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
                                   f"{str(failed[0].get('error'))[:200]}")
         info["generate"] = {"run": str(gp.run_dir), "temperature": gp.generate.sampling.temperature,
                             "seed": gp.generate.sampling.seed, "new_records": g.new_records,
-                            "seconds": round(g.seconds, 1)}
+                            "reused_from_run": reused, "seconds": round(g.seconds, 1)}
         source = gp.run_dir
     elif base is not None:
         source = base.handoff.parents[1]  # the run folder the base variant's 05 exported
@@ -364,6 +371,30 @@ def _generate_params(vp: RunParams) -> RunParams:
     what = {k: data[k] for k in ("model", "datasets", "generate", "profile")}
     data["run_name"] = "gen_" + hashlib.sha256(orjson.dumps(what, option=orjson.OPT_SORT_KEYS)).hexdigest()[:8]
     return RunParams.model_validate(data)
+
+
+def reuse_run_records(params: RunParams, gp: RunParams) -> int:
+    """Copy the run's own 01 records into the 01 journal of `gp` (a regenerated variant's 01 params) before it
+    starts, so 01 resumes past them: only into a journal not yet begun (journals are never rewritten), only records
+    of prompts `gp` plans, never an error, and only records 01 would write with `gp`'s settings (model, profile and
+    sampling as each record states them: at T > 0 a draw 01 could have made). Returns how many were copied."""
+    want = {"model": gp.model.name, "profile": gp.profile,
+            "sampling": gp.generate.sampling.model_dump(mode="json", exclude_none=True)}
+    planned = {name: {str(SampleKey.of(p)) for p in ps.prompts} for name, ps in load_datasets(gp).items()}
+    copied = 0
+    for name, keys in planned.items():
+        dest = gp.run_dir / "records" / f"{name}.jsonl"
+        src = params.run_dir / "records" / f"{name}.jsonl"
+        if dest.exists() or not src.exists():
+            continue
+        kept = [r for r in scan_journal(src).records
+                if r.get("finish_reason") != "error" and r.get("ids_exact") and r.get("output_ids") is not None
+                and _conv(str(SampleKey.of(r))) in keys and all(r.get(k) == v for k, v in want.items())]
+        if kept:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(dest, b"".join(orjson.dumps(r) + b"\n" for r in kept))
+            copied += len(kept)
+    return copied
 
 
 def _train_rows(handoff: Path, order: list[str], held: frozenset[str] | None) -> list[int]:
