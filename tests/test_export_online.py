@@ -67,11 +67,16 @@ def _specforge_rows(folder: Path):
     return cfg, [(t["payload"]["input_ids"], t["payload"]["loss_mask"]) for t in tasks]
 
 
-def test_cli_writes_both_and_the_peers_read_every_row_equal_to_the_mix(run_copy, capsys):
+def test_cli_writes_both_and_the_peers_read_every_row_equal_to_the_mix(run_copy, capfd, monkeypatch):
     assert not (run_copy / "hidden").exists()  # no 04 store is needed
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # as core.models sets it: datasets' map then warns
     assert cli(["export", str(run_copy), "--format", "speculators_online", "--format", "specforge_online"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capfd.readouterr()
     assert "speculators_online: all" in printed and "text-only trainers" in printed
+    # the peers' own lines (datasets' "Setting TOKENIZERS_PARALLELISM=false ...") go to the run's log, not the
+    # notebook's stderr
+    assert "TOKENIZERS_PARALLELISM" not in err + printed
+    assert "TOKENIZERS_PARALLELISM" in (run_copy / "export" / "peers.log").read_text(encoding="utf-8")
     mix = _mix(run_copy)
     assert len(mix) == 4
     sp, sf = run_copy / "export" / "speculators_online", run_copy / "export" / "specforge_online"

@@ -346,7 +346,8 @@ def test_a_training_step_leaves_no_peer_line_on_stderr_and_puts_them_in_the_log(
     from loguru import logger
 
     from eagle3data.generate.backends.vllm_server import model_dir
-    from eagle3data.value.train import DRAFT_DIR, PEER_LOG, TrainConfig, layer_ids_of_store, load_draft, train_draft
+    from eagle3data.core.peer_logs import PEER_LOG
+    from eagle3data.value.train import DRAFT_DIR, TrainConfig, layer_ids_of_store, load_draft, train_draft
 
     p = handoff
     hid = logger.add(sys.stderr, format="{name}: {message}")

@@ -36,6 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+PEER_LOG = "peers.log"  # a stage's log file of them: value/<variant>/peers.log, export/peers.log
+
 # top-level logger names of the libraries 06 runs (and their transport), whose loggers get the file's handler
 # (another library's record reaches the file through logging's last resort)
 PEERS = ("speculators", "transformers", "datasets", "huggingface_hub", "torch", "hs_connectors", "kernels", "vllm",

@@ -31,6 +31,7 @@ from eagle3data.export.vocab import (DraftVocab, build_draft_vocab, coverage_cur
                                      save_draft_vocab)
 from eagle3data.trainers.registry import TRAINERS, get_trainer
 from eagle3data.core.models import context_limit
+from eagle3data.core.peer_logs import PEER_LOG, peers_to_log
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
@@ -398,8 +399,9 @@ def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str
     counts, vocab = _counts_and_vocab(params, sel)
     formats = list(formats if formats is not None else params.export.formats)
     drift = text_drift.measure(params, sel.samples)  # once: a property of the mix, in every format's manifest
-    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params, drift)
-                 for fmt in formats}
+    with peers_to_log(run_dir / "export" / PEER_LOG):  # datasets' and speculators' own lines: not the notebook's
+        manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params, drift)
+                     for fmt in formats}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
     return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
@@ -414,7 +416,8 @@ def export_formats(params: Any, outs: dict[str, str | Path]) -> dict[str, dict[s
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
     drift = text_drift.measure(params, sel.samples)
-    return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift) for fmt, out in outs.items()}
+    with peers_to_log(params.run_dir / "export" / PEER_LOG):
+        return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift) for fmt, out in outs.items()}
 
 
 def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import torch
 
 from eagle3data.core.params import RunParams
 from eagle3data.core.params.hidden import HiddenVLLMParams
-from eagle3data.core.peer_logs import peers_to_log
+from eagle3data.core.peer_logs import PEER_LOG, peers_to_log
 from eagle3data.generate.backends.vllm_server import EngineCommand, VLLMServer
 from eagle3data.hidden.capture import layer_plan, load_config
 from eagle3data.hidden.engines.vllm_capture import engine_layer_ids, final_norm, hidden_command
@@ -49,7 +49,7 @@ from eagle3data.hidden.store.format import AUX_NAMES, INFO_FILE
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.hidden.verify.checks import compare_states, recompute_failed
 from eagle3data.hidden.verify.run import compute_dtype
-from eagle3data.value.train import (CHECKPOINT, PEER_LOG, TrainConfig, TrainResult, ValueStageError, train_draft,
+from eagle3data.value.train import (CHECKPOINT, TrainConfig, TrainResult, ValueStageError, train_draft,
                                     training_identity)
 
 ONLINE_HANDOFF = Path("export") / "speculators_online"

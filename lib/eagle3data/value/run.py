@@ -28,7 +28,7 @@ from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
 from eagle3data.core.params.run import with_overrides
 from eagle3data.core.params.hidden import storage_default_text
-from eagle3data.core.peer_logs import peers_to_log
+from eagle3data.core.peer_logs import PEER_LOG, peers_to_log
 from eagle3data.core.profiles import get_profile
 from eagle3data.core.progress import Progress
 from eagle3data.core.provenance import git_state, package_versions, params_of_run, write_provenance
@@ -43,7 +43,7 @@ from eagle3data.value.online import online_handoff, train_online
 from eagle3data.value.plots import diff_figure, loss_figure, position_figure, size_figure, summary_markdown
 from eagle3data.value.sampling import along_of, offline_by_temperature, target_head_of, temperature_key
 from eagle3data.value.spread import ratio_ci, seed_spreads, size_curve
-from eagle3data.value.train import (DRAFT_DIR, PEER_LOG, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
+from eagle3data.value.train import (DRAFT_DIR, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
                                     layer_ids_of_store, load_draft, train_draft, training_identity)
 from eagle3data.value.variants import COMPARED_WITH, GENERATED, VARIANTS, VariantData, variant_data
 

@@ -36,13 +36,12 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from eagle3data.core.errors import UserInputError
-from eagle3data.core.peer_logs import peers_to_log
+from eagle3data.core.peer_logs import PEER_LOG, peers_to_log
 from eagle3data.hidden.store.format import INFO_FILE
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
 DRAFT_DIR = "draft"
-PEER_LOG = "peers.log"  # value/<variant>/peers.log: speculators', transformers' and torch's own lines (core.peer_logs)
 
 
 class ValueStageError(UserInputError):
