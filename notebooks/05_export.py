@@ -23,7 +23,7 @@
 # `specforge.yaml`, plus `conversations.jsonl`, `token_ids.jsonl`), `export/speculators/` (the
 # `datasets` folder, `hidden_states/hs_<i>.safetensors`, `d2t-<N>.npy` / `t2d-<N>.npy`, plus
 # `data.parquet`), `export/draft_vocab.safetensors`, a `manifest.json` per format,
-# `provenance/05_export.json`.
+# `export/peers.log` (datasets' and speculators' own log lines), `provenance/05_export.json`.
 # **Parameters:** `params_file` (a YAML under `params/`), `overrides` (dotted keys, as
 # `-p key value` on the CLI); the stage's own keys live under `export:` (`draft_vocab_size`,
 # `formats`: also `speculators_online` / `specforge_online`, ids and masks for trainers that compute the states as they
