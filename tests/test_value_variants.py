@@ -398,6 +398,39 @@ def test_the_stage_trains_exact_per_seed_and_gathers_spread_judgement_and_slope(
     assert s1["size_slope"]["judged_against"] == ["evaluation"]
 
 
+def test_a_difference_at_each_temperature_is_judged_against_exacts_seed_spread_at_that_temperature(tmp_path):
+    """exact's seeds spread apart at T = 1 (τ 1.4 and 1.6) and agree at T = 0: sampled's Δτ at T = 1, clear of zero
+    against the evaluation interval alone, is judged with the T = 1 spread (wide, not significant), its Δτ at T = 0
+    with the T = 0 spread (σ 0: the evaluation interval)."""
+    from eagle3data.value.compare import _per_prompt, diff_to_exact
+    from eagle3data.value.spread import seed_spreads
+
+    def rows(a1: float) -> list[dict]:
+        return [{"dataset": "humaneval", "sample_id": str(i), "anchors": 10, "offline_accepted": 4 + i % 3,
+                 "engine_steps": None, "engine_accepted": None, "engine_by_temperature": {},
+                 "offline_accepted_by_temperature": {"0.0": 4 + i % 3, "1.0": a1 + i % 3}} for i in range(40)]
+
+    for name, a1 in {"exact": 3, "exact_seed1": 5, "sampled": 5}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "per_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(a1)))
+    folders = ["exact", "exact_seed1"]
+    runs = [{"variant": "exact", "draft_dir": f, "per_dataset": {"humaneval": {"tau_offline": 1.5, "tau_engine": None}}}
+            for f in folders]
+    sp = seed_spreads(runs, [_per_prompt(tmp_path, f) for f in folders], [0, 1], ["0.0", "1.0"])
+    at = sp["pooled_by_temperature"]
+    assert at["0.0"]["offline"]["sd"] == 0 and at["1.0"]["offline"]["sd"] == pytest.approx(0.1414, abs=1e-4)
+    assert at["1.0"]["offline"]["mean"] == pytest.approx(1.4975, abs=1e-4) and at["1.0"]["engine"]["seeds"] == 0
+    d = diff_to_exact(tmp_path, "sampled", 0, folders, sp["pooled"], [0.0, 1.0], at)
+    t0, t1 = d["by_temperature"]["0.0"], d["by_temperature"]["1.0"]
+    assert t1["tau_offline"] == pytest.approx(0.1, abs=1e-4) and t1["tau_offline_ci95"][0] > 0  # clear of 0 alone
+    assert t1["judged"]["judged_against"] == ["evaluation", "training seeds"] and t1["judged"]["seed_df"] == 1
+    assert t1["judged"]["ci95"][0] < 0 < t1["judged"]["ci95"][1] and t1["significant"] is False
+    assert t0["tau_offline"] == 0 and t0["significant"] is False and t0["judged"]["se_seed"] == 0
+    # without a spread at that temperature: the evaluation interval alone, as at T = 0 without seeds
+    alone = diff_to_exact(tmp_path, "sampled", 0, folders, None, [1.0])["by_temperature"]["1.0"]
+    assert alone["judged"]["judged_against"] == ["evaluation"] and alone["significant"] is True
+
+
 def test_engine_tau_per_temperature_and_each_difference_per_temperature_reach_every_view(tmp_path):
     """Engine τ at T = 1 (its per-request counts per temperature) and each Δτ per temperature, to exact and to the
     variant a variant was made from (sampled_retokenized against sampled), paired over the prompts."""

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from eagle3data.core.params.hidden import default_storage
 from eagle3data.value.sampling import temperature_key
-from eagle3data.value.spread import KINDS, judge_diff, paired_diff
+from eagle3data.value.spread import KINDS, counts_at, judge_diff, paired_diff
 from eagle3data.value.train import ValueStageError
 
 # The storage rule (docs/04, docs/06): an 8-bit storage becomes a layout's default only when the 95% interval of its
@@ -28,29 +28,34 @@ def _per_prompt(vdir: Path, variant: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (vdir / variant / "per_prompt.jsonl").read_text(encoding="utf-8").splitlines() if x]
 
 
-def _by_temperature(rows: Sequence[dict[str, Any]], kind: str, t: str) -> list[tuple[float, float] | None]:
-    """Each prompt's (accepted, steps or anchors) at temperature key `t`, None where it was not measured."""
-    out: list[tuple[float, float] | None] = []
-    for p in rows:
-        if kind == "offline":
-            a = (p.get("offline_accepted_by_temperature") or {}).get(t)
-            n = (p.get("offline_anchors_by_temperature") or {}).get(t, p["anchors"])  # its own continuation's
-            out.append(None if a is None else (a, n))
-        else:
-            e = (p.get("engine_by_temperature") or {}).get(t)
-            out.append(None if not e or e.get("steps") is None else (e["accepted"], e["steps"]))
-    return out
+def _judge(est: float | None, ci: Sequence[float] | None, kind: str, spread: dict[str, Any] | None, seeds_a: int,
+           out: dict[str, Any]) -> dict[str, Any] | None:
+    """A Δτ judged against its evaluation interval widened by the reference's seed spread of the same kind (`spread`:
+    {kind: seed_spread}); an engine Δτ whose reference's other seeds ran offline only is judged against the offline
+    spread (offline and engine τ agree within a few thousandths on this target: docs/06; `out["seed_spread_of"]`
+    says so). None without an interval."""
+    if not ci or est is None:
+        return None
+    sd = (spread or {}).get(kind) or {}
+    if sd.get("sd") is None and kind == "engine" and ((spread or {}).get("offline") or {}).get("sd") is not None:
+        sd = spread["offline"]  # type: ignore[index]
+        out["seed_spread_of"] = "offline"
+    return judge_diff(est, ci, sd.get("sd"), sd["seeds"] - 1 if sd.get("sd") is not None else None,
+                      seeds_a=seeds_a, seeds_b=1)
 
 
 def diff_to(vdir: Path, variant: str, reference: Sequence[str] = ("exact",), seed: int = 0,
-            spread: dict[str, Any] | None = None, temperatures: Sequence[float] = ()) -> dict[str, Any]:
+            spread: dict[str, Any] | None = None, temperatures: Sequence[float] = (),
+            spread_at: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """A variant's τ difference to its reference (`reference`: the reference's folders, its seeds), engine and
     offline, paired over the same evaluation prompts, pooled over the evaluation datasets; where the interval holds 0,
     how many evaluation tokens would resolve the difference (the interval narrows as 1/√tokens). With the reference
     trained on several seeds, its side is each prompt's counts summed over its seeds, and the difference is judged
     (`judged`, `significant`) against the evaluation interval widened by the seed spread (`spread[kind]`:
     `seed_spread` of the pooled τ; spread.py's rule); otherwise against the evaluation interval alone.
-    `by_temperature`: the same per temperature (T = 0's engine figure is `tau_engine`'s)."""
+    `by_temperature`: the same per temperature (T = 0's engine figure is `tau_engine`'s), each judged (`judged`,
+    `significant`: engine where both sides were served, else offline) against the seed spread at that temperature
+    (`spread_at[t]`: `seed_spread`'s `pooled_by_temperature`)."""
     exs, va = [_per_prompt(vdir, f) for f in reference], _per_prompt(vdir, variant)
     for f, ex in zip(reference, exs):
         if [(p["dataset"], p["sample_id"]) for p in ex] != [(p["dataset"], p["sample_id"]) for p in va]:
@@ -70,13 +75,18 @@ def diff_to(vdir: Path, variant: str, reference: Sequence[str] = ("exact",), see
     for t in map(temperature_key, temperatures):
         row: dict[str, Any] = {}
         for kind in ("engine", "offline"):
-            sides = [side for side in (_by_temperature(ex, kind, t) for ex in exs) if None not in side]
-            mine = _by_temperature(va, kind, t)
+            sides = [side for side in (counts_at(ex, kind, t) for ex in exs) if None not in side]
+            mine = counts_at(va, kind, t)
             if not sides or None in mine:
                 row[f"tau_{kind}"], row[f"tau_{kind}_ci95"] = None, None
                 continue
             base = [(sum(side[i][0] for side in sides), sum(side[i][1] for side in sides)) for i in range(len(va))]
             row[f"tau_{kind}"], row[f"tau_{kind}_ci95"] = paired_diff(base, mine, seed)
+            row[f"{kind}_reference_seeds"] = len(sides)
+        kind = "engine" if row.get("tau_engine") is not None else "offline"
+        row["judged"] = _judge(row[f"tau_{kind}"], row[f"tau_{kind}_ci95"], kind, (spread_at or {}).get(t),
+                               row.get(f"{kind}_reference_seeds", len(exs)), row)
+        row["significant"] = bool(row["judged"]) and row["judged"]["significant"]
         by_t[t] = row
     if by_t:
         out["by_temperature"] = by_t
@@ -84,14 +94,7 @@ def diff_to(vdir: Path, variant: str, reference: Sequence[str] = ("exact",), see
     out["eval_tokens"] = ref
     kind = "engine" if out.get("tau_engine") is not None else "offline"
     est, ci = out[f"tau_{kind}"], out[f"tau_{kind}_ci95"]
-    # the seed spread of the same kind; an engine Δτ whose reference's other seeds ran offline only is judged
-    # against the offline seed spread (offline and engine τ agree within a few thousandths on this target: docs/06)
-    sd = (spread or {}).get(kind) or {}
-    if sd.get("sd") is None and kind == "engine" and ((spread or {}).get("offline") or {}).get("sd") is not None:
-        sd = spread["offline"]  # type: ignore[index]
-        out["seed_spread_of"] = "offline"
-    out["judged"] = (judge_diff(est, ci, sd.get("sd"), sd["seeds"] - 1 if sd.get("sd") is not None else None,
-                                seeds_a=out.get(f"{kind}_reference_seeds", len(exs)), seeds_b=1) if ci else None)
+    out["judged"] = _judge(est, ci, kind, spread, out.get(f"{kind}_reference_seeds", len(exs)), out)
     out["significant"] = bool(out["judged"]) and out["judged"]["significant"]
     half = (ci[1] - ci[0]) / 2 if ci else None
     out["eval_tokens_to_resolve"] = (None if out["significant"] or not est or not half
@@ -100,9 +103,10 @@ def diff_to(vdir: Path, variant: str, reference: Sequence[str] = ("exact",), see
 
 
 def diff_to_exact(vdir: Path, variant: str, seed: int = 0, exact_folders: Sequence[str] = ("exact",),
-                  spread: dict[str, Any] | None = None, temperatures: Sequence[float] = ()) -> dict[str, Any]:
+                  spread: dict[str, Any] | None = None, temperatures: Sequence[float] = (),
+                  spread_at: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """`diff_to` with exact (its seeds' folders) as the reference."""
-    return diff_to(vdir, variant, exact_folders, seed, spread, temperatures)
+    return diff_to(vdir, variant, exact_folders, seed, spread, temperatures, spread_at)
 
 
 def _eval_tokens(vdir: Path) -> int:

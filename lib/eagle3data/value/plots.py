@@ -274,8 +274,14 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 e = x.get(f"tau_{kind}")
                 return f"{e:+.3f} {ci(x.get(f'tau_{kind}_ci95'), 3)}" if e is not None else "–"
 
-            out += ["", "| variant | against | T | Δτ engine (95%) | Δτ offline (95%) |", "|---|---|---|---|---|"]
-            out += [f"| {n} | {r} | {float(t):g} | {dcell(x, 'engine')} | {dcell(x, 'offline')} |"
+            def jcell(x: Any) -> str:  # the difference judged against evaluation and seed noise at that T
+                j = x.get("judged")
+                return (f"{ci(j['ci95'], 3)} ({', '.join(j['judged_against'])}) | "
+                        f"{'yes' if j['significant'] else 'no'}") if j else "– | –"
+
+            out += ["", "| variant | against | T | Δτ engine (95%) | Δτ offline (95%) | judged (95%) | significant |",
+                    "|---|---|---|---|---|---|---|"]
+            out += [f"| {n} | {r} | {float(t):g} | {dcell(x, 'engine')} | {dcell(x, 'offline')} | {jcell(x)} |"
                     for n, r, t, x in rows]
     sp = summary.get("seed_spread")
     if sp:  # exact over its training seeds, and each difference judged against evaluation and seed noise

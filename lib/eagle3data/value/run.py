@@ -451,11 +451,13 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
     seed_runs = [run_variant(with_seed(params, s), plan, "exact", seqs, say, head, folder=f"exact_seed{s}", seqs_at=at)
                  for s in seeds[1:]]
     exact_folders = ["exact"] + [f"exact_seed{s}" for s in seeds[1:]]
-    spread = (seed_spreads([r for r in results if r["variant"] == "exact"] + seed_runs,
-                           [_per_prompt(vdir, f) for f in exact_folders], seeds) if seed_runs else None)
     ev = params.value.eval
     tp_seed = params.value.train.seed
     temps = sorted({0.0, *map(float, ev.temperatures)})  # the differences at every temperature measured
+    spread = (seed_spreads([r for r in results if r["variant"] == "exact"] + seed_runs,
+                           [_per_prompt(vdir, f) for f in exact_folders], seeds, [temperature_key(t) for t in temps])
+              if seed_runs else None)
+    spread_at = (spread or {}).get("pooled_by_temperature")
     counts: dict[str, int] = {}
     for e in plan.evals:
         counts[e.dataset] = counts.get(e.dataset, 0) + 1
@@ -477,10 +479,10 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                                if r.get("data") else {})
                             | ({"engine_temperatures": r.get("engine_temperatures")})
                             | ({"diff_to_exact": diff_to_exact(vdir, r["variant"], tp_seed, exact_folders,
-                                                               (spread or {}).get("pooled"), temps)}
+                                                               (spread or {}).get("pooled"), temps, spread_at)}
                                if r["variant"] != "exact" and "exact" in plan.variants else {})
                             | ({"diff_to": diff_to(vdir, r["variant"], [COMPARED_WITH[r["variant"]]], tp_seed,
-                                                   (spread or {}).get("pooled"), temps)}
+                                                   (spread or {}).get("pooled"), temps, spread_at)}
                                if r["variant"] in COMPARED_WITH else {})
                             for r in results],
                "seconds": round(time.monotonic() - t0, 1), "git": git_state(), "versions": package_versions()}

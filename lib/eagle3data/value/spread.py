@@ -201,17 +201,43 @@ def _pooled_tau(rows: Sequence[dict[str, Any]], num: str, den: str) -> float | N
     return 1 + sum(p[num] for p in rows) / sum(p[den] for p in rows)
 
 
+def counts_at(rows: Sequence[dict[str, Any]], kind: str, t: str) -> list[tuple[float, float] | None]:
+    """Each prompt's (accepted, steps or anchors) at temperature key `t` (per_prompt.jsonl's `*_by_temperature`),
+    None where it was not measured."""
+    out: list[tuple[float, float] | None] = []
+    for p in rows:
+        if kind == "offline":
+            a = (p.get("offline_accepted_by_temperature") or {}).get(t)
+            n = (p.get("offline_anchors_by_temperature") or {}).get(t, p["anchors"])  # its own continuation's
+            out.append(None if a is None else (a, n))
+        else:
+            e = (p.get("engine_by_temperature") or {}).get(t)
+            out.append(None if not e or e.get("steps") is None else (e["accepted"], e["steps"]))
+    return out
+
+
+def _pooled_tau_at(rows: Sequence[dict[str, Any]], kind: str, t: str) -> float | None:
+    c = counts_at(rows, kind, t)
+    if not c or None in c or not sum(n for _, n in c):  # type: ignore[misc]
+        return None
+    return 1 + sum(a for a, _ in c) / sum(n for _, n in c)  # type: ignore[misc]
+
+
 def seed_spreads(runs: Sequence[dict[str, Any]], rows: Sequence[Sequence[dict[str, Any]]],
-                 seeds: Sequence[int]) -> dict[str, Any] | None:
+                 seeds: Sequence[int], temperatures: Sequence[str] = ()) -> dict[str, Any] | None:
     """exact's τ over its training `seeds` (`runs`: one result each, train.seed's first; `rows`: their per-prompt
     counts), engine and offline: per evaluation set (`per_dataset`, `seed_spread` of the per-set τ) and pooled over
-    every prompt (`pooled`, what a Δτ to exact is judged against); None with fewer than two seeds."""
+    every prompt (`pooled`, what a Δτ to exact is judged against; `pooled_by_temperature`: the same at each
+    temperature key of `temperatures`, what a Δτ at that temperature is judged against); None with fewer than two
+    seeds."""
     if len(runs) < 2:
         return None
     per_ds = {ds: {kind: seed_spread([r["per_dataset"][ds][f"tau_{kind}"] for r in runs]) for kind, _, _ in KINDS}
               for ds in runs[0]["per_dataset"]}
     return {"seeds": list(seeds), "per_dataset": per_ds,
             "pooled": {kind: seed_spread([_pooled_tau(pp, num, den) for pp in rows]) for kind, num, den in KINDS},
+            "pooled_by_temperature": {t: {kind: seed_spread([_pooled_tau_at(pp, kind, t) for pp in rows])
+                                          for kind, _, _ in KINDS} for t in temperatures},
             "runs": [{"seed": s, "draft_dir": r["draft_dir"],
                       "per_dataset": {ds: {k: f.get(k) for k in ("tau_engine", "tau_engine_ci95", "tau_offline",
                                                                  "tau_offline_ci95", "offline_by_temperature")}
