@@ -180,7 +180,8 @@ def test_the_storage_rule_switches_a_layout_only_when_its_loss_is_proven_small()
 def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
     from eagle3data.audit.report import value_html
     from eagle3data.value.plots import diff_figure, diff_table, position_figure, summary_markdown
-    from eagle3data.value.run import _save_figures, summary_lines
+    from eagle3data.value.plots import save_figures
+    from eagle3data.value.run import summary_lines
 
     f = {"prompts": 10, "tau_engine": 1.4, "tau_engine_ci95": [1.3, 1.5], "tau_offline": 1.45,
          "tau_offline_ci95": [1.35, 1.55], "per_position": [0.3, 0.08, 0.02], "per_position_engine": [0.3, 0.07, 0.02],
@@ -207,7 +208,7 @@ def test_the_table_shows_each_variant_against_exact_in_every_view(tmp_path):
     (tmp_path / "value" / "summary.json").write_text(json.dumps(s))
     page = value_html(tmp_path)
     assert "Each variant against exact" in page and "verify-hidden exit 1" in page and "Storage default" in page
-    _save_figures(tmp_path, s)  # what the stage writes beside summary.json: the markdown table and the curves
+    save_figures(tmp_path, s)  # what the stage writes beside summary.json: the markdown table and the curves
     assert (tmp_path / "value" / "summary.md").read_text() == md + "\n"
     assert (tmp_path / "value" / "tau_diff.png").stat().st_size > 0
 
@@ -370,7 +371,7 @@ def test_the_stage_trains_exact_per_seed_and_gathers_spread_judgement_and_slope(
                      "layer_plan": lambda params, cfg: SimpleNamespace(hf_indices=[2, 15, 27]),
                      "target_states": lambda model, layers, seqs: None, "target_head_of": lambda model: head,
                      "run_variant": fake_variant, "git_state": lambda: {}, "package_versions": lambda: {},
-                     "write_provenance": lambda *a: None, "_save_figures": lambda *a: None}.items():
+                     "write_provenance": lambda *a: None, "save_figures": lambda *a: None}.items():
         monkeypatch.setattr(R, name, fn)
     s = R.run_value(p, plan=plan, say=lambda line: None)
     assert calls == [("exact", "exact", 0), ("half", "half", 0), ("exact", "exact_seed1", 1), ("exact", "exact_seed2", 2)]
@@ -483,3 +484,16 @@ def test_engine_tau_per_temperature_and_each_difference_per_temperature_reach_ev
     md = summary_markdown(s)
     assert "| exact | humaneval | 1.520 (1.45–1.60) | 1.500 (1.40–1.60) |" in md
     assert f"| sampled | exact | 1 | **" not in md and f"| sampled | exact | 1 | {t1['tau_engine']:+.3f}" in md
+
+
+def test_a_finished_variant_is_kept_when_only_the_list_of_engine_variants_changed():
+    """Adding the engine to one variant (`eval.engine_variants`) re-runs that variant only (its
+    `engine_temperatures` change), not every variant whose fingerprint holds the list; any other change re-runs."""
+    from eagle3data.value.run import made_alike
+
+    fp = {"variant": "exact", "train": {"seed": 0}, "eval": {"humaneval": 164, "engine": True,
+                                                             "engine_variants": ["exact"]}, "rows": 368}
+    assert made_alike(fp, fp | {"eval": fp["eval"] | {"engine_variants": ["exact", "sampled"]}})
+    assert made_alike(fp, fp | {"eval": {k: v for k, v in fp["eval"].items() if k != "engine_variants"}})
+    assert not made_alike(fp, fp | {"eval": fp["eval"] | {"humaneval": 100}})
+    assert not made_alike(fp, fp | {"rows": 367}) and not made_alike(fp, fp | {"train": {"seed": 1}})

@@ -1,10 +1,14 @@
-"""06's table and figures: τ per variant and evaluation set, the per-position acceptance curve, the loss curve."""
+"""06's table and figures: τ per variant and evaluation set, the per-position acceptance curve, the loss curve;
+`save_figures` writes them beside the summary."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from eagle3data.audit.report import render_report
+from eagle3data.core.atomic import write_atomic
 
 
 def tau_table(summary: dict[str, Any]) -> Any:
@@ -302,3 +306,21 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                     f"{sl['slope_per_doubling']:+.3f} {ci(sl['ci95'], 3)}{fit}; points "
                     + ", ".join(f"{p['tokens']:,} tokens τ {p['tau']:.3f}" for p in sl["points"])]
     return "\n".join(out)
+
+
+def save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
+    """The table as markdown (`summary.md`, as docs/06 shows it) and the curves as PNG beside the summary, and the
+    run's report.html re-rendered with 06's section."""
+    import matplotlib.pyplot as plt
+
+    write_atomic(run_dir / "value" / "summary.md", (summary_markdown(summary) + "\n").encode())
+    figs = [("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))]
+    if any(v.get("diff_to_exact") for v in summary["variants"]):
+        figs.append(("tau_diff.png", diff_figure(summary)))
+    if summary.get("size_slope"):
+        figs.append(("tau_size.png", size_figure(summary)))
+    for name, fig in figs:
+        fig.savefig(run_dir / "value" / name, dpi=90, bbox_inches="tight")
+        plt.close(fig)
+    if (run_dir / "notebooks" / "03_audit.ipynb").exists():
+        render_report(run_dir)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from eagle3data.audit.report import render_report
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import RunParams
@@ -40,7 +39,7 @@ from eagle3data.value.engine import request_seed, serve_temperatures
 from eagle3data.value.evalset import EvalPrompt, held_out_prompts, humaneval_prompts, leak_problems
 from eagle3data.value.offline import EvalSeq, offline_tau, per_position, target_states
 from eagle3data.value.online import online_handoff, train_online
-from eagle3data.value.plots import diff_figure, loss_figure, position_figure, size_figure, summary_markdown
+from eagle3data.value.plots import save_figures
 from eagle3data.value.sampling import along_of, offline_by_temperature, target_head_of, temperature_key
 from eagle3data.value.spread import ratio_ci, seed_spreads, size_curve
 from eagle3data.value.train import (DRAFT_DIR, TrainConfig, ValueStageError, ValueStopped, check_draft_layers,
@@ -224,6 +223,14 @@ def _fingerprint(params: RunParams, plan: ValuePlan, variant: str, vd: VariantDa
             "training": training_identity(vd.handoff, vd.rows, _train_config(params)) if vd.rows else None}
 
 
+def made_alike(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two fingerprints of the same draft and evaluation: `eval.engine_variants` aside (whether the engine serves
+    this variant is its `engine_temperatures`, compared beside: adding the engine to a variant trains nothing again)."""
+    def core(f: dict[str, Any]) -> dict[str, Any]:
+        return f | {"eval": {k: v for k, v in (f.get("eval") or {}).items() if k != "engine_variants"}}
+    return core(a) == core(b)
+
+
 def exact_seeds(params: RunParams) -> list[int]:
     """The seeds exact is trained with, `train.seed` first (its draft is `value/exact/`, the one every variant is
     compared with; each other seed's in `value/exact_seed<s>/`); the other variants train with `train.seed` only."""
@@ -311,7 +318,8 @@ def _run_variant(params: RunParams, plan: ValuePlan, variant: str, seqs: list[Ev
     engine_temps = _engine_temperatures(params, variant, folder)
     if done.exists():
         prev = json.loads(done.read_text(encoding="utf-8"))
-        if prev.get("fingerprint") == fp and prev.get("engine_temperatures", [0.0] if ev.engine else []) == engine_temps:
+        if made_alike(prev.get("fingerprint") or {}, fp) and prev.get("engine_temperatures",
+                                                                    [0.0] if ev.engine else []) == engine_temps:
             say(f"{folder}: finished earlier, kept ({done})")
             prev = _add_temperatures(prev, out, seqs, head, params, say, seqs_at)
             return prev | ({"data": vd.info} if vd.info else {})  # what is known of its data now
@@ -500,7 +508,7 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
         f"{v['variant']} {ds} τ {f['tau_engine'] if f['tau_engine'] is not None else f['tau_offline']}"
         for v in summary["variants"] for ds, f in v["per_dataset"].items()))
     write_provenance(plan.run_dir, "06_value", params)
-    _save_figures(plan.run_dir, summary)
+    save_figures(plan.run_dir, summary)
     bad = [(r["variant"], ds, v["not_lossless"]) for r in results for ds, v in r["per_dataset"].items()
            if v.get("not_lossless")]
     if bad:
@@ -509,24 +517,6 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                           f"{ds} prompt(s) (first {ids[0]}): speculation must be lossless; a fault in the draft, its "
                           "config or its vocabulary map")
     return summary
-
-
-def _save_figures(run_dir: Path, summary: dict[str, Any]) -> None:
-    """The table as markdown (`summary.md`, as docs/06 shows it) and the curves as PNG beside the summary, and the
-    run's report.html re-rendered with 06's section."""
-    import matplotlib.pyplot as plt
-
-    write_atomic(run_dir / "value" / "summary.md", (summary_markdown(summary) + "\n").encode())
-    figs = [("tau_positions.png", position_figure(summary)), ("train_loss.png", loss_figure(run_dir, summary))]
-    if any(v.get("diff_to_exact") for v in summary["variants"]):
-        figs.append(("tau_diff.png", diff_figure(summary)))
-    if summary.get("size_slope"):
-        figs.append(("tau_size.png", size_figure(summary)))
-    for name, fig in figs:
-        fig.savefig(run_dir / "value" / name, dpi=90, bbox_inches="tight")
-        plt.close(fig)
-    if (run_dir / "notebooks" / "03_audit.ipynb").exists():
-        render_report(run_dir)
 
 
 def value_cli(run: str, variants: list[str] | None = None, overrides: dict[str, Any] | None = None) -> int:
