@@ -195,10 +195,15 @@ def size_slope(tokens: Sequence[float], per_prompt: Sequence[Sequence[tuple[floa
 KINDS = (("engine", "engine_accepted", "engine_steps"), ("offline", "offline_accepted", "anchors"))
 
 
-def _pooled_tau(rows: Sequence[dict[str, Any]], num: str, den: str) -> float | None:
-    if not rows or any(p[num] is None for p in rows) or not sum(p[den] for p in rows):
+def _pooled(counts: Sequence[tuple[float, float] | None]) -> float | None:
+    """τ pooled over prompts' (accepted, steps or anchors); None where a prompt was not measured, or none was."""
+    if not counts or None in counts or not sum(n for _, n in counts):  # type: ignore[misc]
         return None
-    return 1 + sum(p[num] for p in rows) / sum(p[den] for p in rows)
+    return 1 + sum(a for a, _ in counts) / sum(n for _, n in counts)  # type: ignore[misc]
+
+
+def _pooled_tau(rows: Sequence[dict[str, Any]], num: str, den: str) -> float | None:
+    return _pooled([None if p[num] is None else (p[num], p[den]) for p in rows])
 
 
 def counts_at(rows: Sequence[dict[str, Any]], kind: str, t: str) -> list[tuple[float, float] | None]:
@@ -216,13 +221,6 @@ def counts_at(rows: Sequence[dict[str, Any]], kind: str, t: str) -> list[tuple[f
     return out
 
 
-def _pooled_tau_at(rows: Sequence[dict[str, Any]], kind: str, t: str) -> float | None:
-    c = counts_at(rows, kind, t)
-    if not c or None in c or not sum(n for _, n in c):  # type: ignore[misc]
-        return None
-    return 1 + sum(a for a, _ in c) / sum(n for _, n in c)  # type: ignore[misc]
-
-
 def seed_spreads(runs: Sequence[dict[str, Any]], rows: Sequence[Sequence[dict[str, Any]]],
                  seeds: Sequence[int], temperatures: Sequence[str] = ()) -> dict[str, Any] | None:
     """exact's τ over its training `seeds` (`runs`: one result each, train.seed's first; `rows`: their per-prompt
@@ -236,7 +234,7 @@ def seed_spreads(runs: Sequence[dict[str, Any]], rows: Sequence[Sequence[dict[st
               for ds in runs[0]["per_dataset"]}
     return {"seeds": list(seeds), "per_dataset": per_ds,
             "pooled": {kind: seed_spread([_pooled_tau(pp, num, den) for pp in rows]) for kind, num, den in KINDS},
-            "pooled_by_temperature": {t: {kind: seed_spread([_pooled_tau_at(pp, kind, t) for pp in rows])
+            "pooled_by_temperature": {t: {kind: seed_spread([_pooled(counts_at(pp, kind, t)) for pp in rows])
                                           for kind, _, _ in KINDS} for t in temperatures},
             "runs": [{"seed": s, "draft_dir": r["draft_dir"],
                       "per_dataset": {ds: {k: f.get(k) for k in ("tau_engine", "tau_engine_ci95", "tau_offline",
