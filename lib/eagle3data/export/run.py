@@ -253,7 +253,13 @@ def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, count
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     require_merged_states(params, fmt)  # 04 planned a mix and merged no index: refused before anything is written
-    run_dir, out = Path(run_dir), Path(out)
+    with peers_to_log(Path(run_dir) / "export" / PEER_LOG):  # datasets' and speculators' own lines: not the notebook's
+        return _export(Path(run_dir), Path(out), fmt, sel, counts, vocab, params, drift)
+
+
+def _export(run_dir: Path, out: Path, fmt: str, sel: Selection, counts: np.ndarray,
+            vocab: DraftVocab, params: Any, drift: dict[str, Any] | None) -> dict[str, Any]:
+    """`export`'s body, the peers' logging already routed to the run's log."""
     out.mkdir(parents=True, exist_ok=True)
     if drift is None and params is not None:
         drift = text_drift.measure(params, sel.samples)
@@ -399,9 +405,7 @@ def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str
     counts, vocab = _counts_and_vocab(params, sel)
     formats = list(formats if formats is not None else params.export.formats)
     drift = text_drift.measure(params, sel.samples)  # once: a property of the mix, in every format's manifest
-    with peers_to_log(run_dir / "export" / PEER_LOG):  # datasets' and speculators' own lines: not the notebook's
-        manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params, drift)
-                     for fmt in formats}
+    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params, drift) for fmt in formats}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
     return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
@@ -416,8 +420,7 @@ def export_formats(params: Any, outs: dict[str, str | Path]) -> dict[str, dict[s
     sel = select_samples(params)
     counts, vocab = _counts_and_vocab(params, sel)
     drift = text_drift.measure(params, sel.samples)
-    with peers_to_log(params.run_dir / "export" / PEER_LOG):
-        return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift) for fmt, out in outs.items()}
+    return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift) for fmt, out in outs.items()}
 
 
 def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:
