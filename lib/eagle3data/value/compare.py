@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from eagle3data.core.params.hidden import default_storage
 from eagle3data.value.sampling import temperature_key
-from eagle3data.value.spread import KINDS, counts_at, judge_diff, paired_diff
+from eagle3data.value.spread import KINDS, counts_at, counts_of, judge_diff, paired_diff
 from eagle3data.value.train import ValueStageError
 
 # The storage rule (docs/04, docs/06): an 8-bit storage becomes a layout's default only when the 95% interval of its
@@ -44,6 +44,20 @@ def _judge(est: float | None, ci: Sequence[float] | None, kind: str, spread: dic
                       seeds_a=seeds_a, seeds_b=1)
 
 
+def _paired_into(out: dict[str, Any], kind: str, refs: Sequence[Sequence[tuple[float, float] | None]],
+                 mine: Sequence[tuple[float, float] | None], seed: int) -> None:
+    """`out["tau_<kind>"]` and its interval: the variant's per-prompt counts (`mine`) against the reference's, each
+    prompt's summed over the reference's seeds measured this way (`refs`, one count list per seed: exact's other seeds
+    may be measured offline only), paired over prompts; None where the variant or every seed was not measured."""
+    sides = [side for side in refs if None not in side]
+    if not sides or None in mine:
+        out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = None, None
+        return
+    base = [(sum(side[i][0] for side in sides), sum(side[i][1] for side in sides)) for i in range(len(mine))]
+    out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = paired_diff(base, mine, seed)
+    out[f"{kind}_reference_seeds"] = len(sides)
+
+
 def diff_to(vdir: Path, variant: str, reference: Sequence[str] = ("exact",), seed: int = 0,
             spread: dict[str, Any] | None = None, temperatures: Sequence[float] = (),
             spread_at: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -62,27 +76,12 @@ def diff_to(vdir: Path, variant: str, reference: Sequence[str] = ("exact",), see
             raise ValueStageError(f"{vdir / variant / 'per_prompt.jsonl'}: not the evaluation prompts of {f}'s")
     out: dict[str, Any] = {"reference": reference[0].split("_seed")[0], "prompts": len(va), "exact_seeds": len(exs)}
     for kind, num, den in KINDS:
-        # the reference's seeds measured this way (exact's other seeds may be measured offline only)
-        have = [ex for ex in exs if all(p[num] is not None for p in ex)]
-        if not have or any(p[num] is None for p in va):
-            out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = None, None
-            continue
-        base = [(sum(ex[i][num] for ex in have), sum(ex[i][den] for ex in have)) for i in range(len(va))]
-        est, ci = paired_diff(base, [(p[num], p[den]) for p in va], seed)
-        out[f"tau_{kind}"], out[f"tau_{kind}_ci95"] = est, ci
-        out[f"{kind}_reference_seeds"] = len(have)
+        _paired_into(out, kind, [counts_of(ex, num, den) for ex in exs], counts_of(va, num, den), seed)
     by_t: dict[str, Any] = {}
     for t in map(temperature_key, temperatures):
         row: dict[str, Any] = {}
         for kind in ("engine", "offline"):
-            sides = [side for side in (counts_at(ex, kind, t) for ex in exs) if None not in side]
-            mine = counts_at(va, kind, t)
-            if not sides or None in mine:
-                row[f"tau_{kind}"], row[f"tau_{kind}_ci95"] = None, None
-                continue
-            base = [(sum(side[i][0] for side in sides), sum(side[i][1] for side in sides)) for i in range(len(va))]
-            row[f"tau_{kind}"], row[f"tau_{kind}_ci95"] = paired_diff(base, mine, seed)
-            row[f"{kind}_reference_seeds"] = len(sides)
+            _paired_into(row, kind, [counts_at(ex, kind, t) for ex in exs], counts_at(va, kind, t), seed)
         kind = "engine" if row.get("tau_engine") is not None else "offline"
         row["judged"] = _judge(row[f"tau_{kind}"], row[f"tau_{kind}_ci95"], kind, (spread_at or {}).get(t),
                                row.get(f"{kind}_reference_seeds", len(exs)), row)

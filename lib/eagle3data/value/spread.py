@@ -202,8 +202,10 @@ def _pooled(counts: Sequence[tuple[float, float] | None]) -> float | None:
     return 1 + sum(a for a, _ in counts) / sum(n for _, n in counts)  # type: ignore[misc]
 
 
-def _pooled_tau(rows: Sequence[dict[str, Any]], num: str, den: str) -> float | None:
-    return _pooled([None if p[num] is None else (p[num], p[den]) for p in rows])
+def counts_of(rows: Sequence[dict[str, Any]], num: str, den: str) -> list[tuple[float, float] | None]:
+    """Each prompt's (accepted, steps or anchors) from per_prompt.jsonl's fields `num` and `den` (a `KINDS` pair),
+    None where it was not measured."""
+    return [None if p[num] is None else (p[num], p[den]) for p in rows]
 
 
 def counts_at(rows: Sequence[dict[str, Any]], kind: str, t: str) -> list[tuple[float, float] | None]:
@@ -233,7 +235,7 @@ def seed_spreads(runs: Sequence[dict[str, Any]], rows: Sequence[Sequence[dict[st
     per_ds = {ds: {kind: seed_spread([r["per_dataset"][ds][f"tau_{kind}"] for r in runs]) for kind, _, _ in KINDS}
               for ds in runs[0]["per_dataset"]}
     return {"seeds": list(seeds), "per_dataset": per_ds,
-            "pooled": {kind: seed_spread([_pooled_tau(pp, num, den) for pp in rows]) for kind, num, den in KINDS},
+            "pooled": {kind: seed_spread([_pooled(counts_of(pp, num, den)) for pp in rows]) for kind, num, den in KINDS},
             "pooled_by_temperature": {t: {kind: seed_spread([_pooled(counts_at(pp, kind, t)) for pp in rows])
                                           for kind, _, _ in KINDS} for t in temperatures},
             "runs": [{"seed": s, "draft_dir": r["draft_dir"],
