@@ -1,0 +1,88 @@
+"""core/stream.py reads a run as `reader.read_run` does, line for line, holding only per-line facts:
+the same records in the same order, the same supersede verdicts, bad lines and torn tail, and 02's rebuilt
+lines by key with the same checks (issue 59)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from runfiles import make_record  # noqa: E402
+
+from eagle3data.core.reader import RunFileError, SampleKey, read_dataset, read_rebuilt, resolve
+from eagle3data.core.stream import index_journal, index_rebuilt
+
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+
+
+def _journal(run: Path, name: str, rows: list[dict], tail: bytes = b"") -> None:
+    (run / "records").mkdir(parents=True, exist_ok=True)
+    (run / "records" / f"{name}.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows) + tail)
+
+
+def _same(run: Path, name: str, chunk: int) -> None:
+    ref = read_dataset(run, name)
+    idx = index_journal(run, name)
+    assert idx.keys == [SampleKey.of(r) for r in ref.lines]
+    assert idx.is_record.tolist() == list(ref.is_record) and idx.duplicate.tolist() == list(ref.duplicate)
+    assert idx.bad_lines == ref.bad_lines and idx.torn_tail_bytes == ref.torn_tail_bytes
+    got = [r for batch in idx.iter_records(chunk) for r in batch]
+    assert got == ref.records()
+    assert all(len(b) <= chunk for b in idx.iter_records(chunk))
+    for r in ref.records():
+        assert idx.record(SampleKey.of(r)) == r
+
+
+@pytest.mark.parametrize("name", ["b1_glaive", "b4_mixturethoughts", "b7_sharegpt"])
+@pytest.mark.parametrize("chunk", [1, 3, 10_000])
+def test_fixture_journals_read_alike(name, chunk):
+    _same(FIXTURES / "nbval", name, chunk)
+
+
+def test_supersede_bad_lines_torn_tail_and_turns(tmp_path):
+    rows = [make_record("d", 1, finish_reason="error"), make_record("d", 1),  # a retried error: superseded
+            make_record("d", 2), make_record("d", 2),  # two completed: a real duplicate
+            make_record("d", 3), make_record("d", 3, finish_reason="error"),  # an error after a response
+            make_record("d", "x/ü", turn=0), make_record("d", "x/ü", turn=1, content="日本語 ✓")]
+    _journal(tmp_path, "d", rows, tail=b'{"dataset": "d", "sample_id": 9')
+    with open(tmp_path / "records" / "d.jsonl", "r+b") as f:  # a bad line and a line without a key, mid-file
+        data = f.read()
+        f.seek(0)
+        f.write(data.replace(b"\n", b"\nnot json\n{\"dataset\": \"d\"}\n", 1))
+    _same(tmp_path, "d", 2)
+    idx = index_journal(tmp_path, "d")
+    assert len(idx.bad_lines) == 2 and idx.torn_tail_bytes > 0 and idx.n_records == 5
+
+
+def test_a_record_of_another_dataset_is_refused_naming_the_file(tmp_path):
+    _journal(tmp_path, "d", [make_record("e", 1)])
+    with pytest.raises(RunFileError, match=r"d\.jsonl: record 1 has dataset 'e', not 'd'"):
+        index_journal(tmp_path, "d")
+
+
+def test_absent_journal_is_empty(tmp_path):
+    idx = index_journal(tmp_path, "none")
+    assert len(idx) == 0 and list(idx.iter_records()) == []
+
+
+def test_rebuilt_index_reads_as_read_rebuilt(tmp_path):
+    rec = tmp_path / "reconstruct"
+    rec.mkdir()
+    lines = [{"dataset": "d", "sample_id": i, "input_ids": [1, 2, i], "loss_mask": [0, 1, 1]} for i in range(5)]
+    lines.append({"dataset": "d", "sample_id": 7, "turn": 2, "input_ids": [3], "loss_mask": [1]})
+    (rec / "d.jsonl").write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    ref = read_rebuilt(tmp_path, ["d"])
+    idx = index_rebuilt(tmp_path, ["d"])
+    assert set(idx) == set(ref) and len(idx) == len(ref)
+    assert all(idx[k] == ref[k] for k in ref)
+    api = {"dataset": "d", "sample_id": 3, "source": "api", "finish_reason": "stop"}
+    assert resolve(api, idx).input_ids == resolve(api, ref).input_ids == [1, 2, 3]
+    (rec / "d.jsonl").write_bytes(orjson.dumps({"dataset": "d", "sample_id": 1, "input_ids": [1, 2],
+                                               "loss_mask": [1]}) + b"\n")
+    with pytest.raises(RunFileError, match=r"d\.jsonl:1: field `loss_mask` has 1 entries for 2 input_ids"):
+        index_rebuilt(tmp_path, ["d"])
