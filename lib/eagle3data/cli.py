@@ -34,7 +34,7 @@ from eagle3data.core.runlock import LAUNCH_ENV, hold_run, new_launch_id
 from eagle3data.generate.ledger import ledger_frame, read_ledger
 from eagle3data.headless import (STOP_FILE, RunControl, StageWatch, _cell_error, _find_run_dir,
                                  _log_has_news, _report_stop, _run_state, _shown_path, _stage_outcome,
-                                 execute_notebook, rejected_prompt_report)
+                                 execute_notebook, kernel_death, rejected_prompt_report)
 from eagle3data.preflight import ready_problems
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,7 +140,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     print(failed, file=sys.stderr)
                 log = nb_dir / (stage + ".stderr.log")
                 more = f"; kernel stderr: {_shown_path(log)}" if _log_has_news(log) else ""
-                raise StageFailed(f"{stage} failed: {_cell_error(failed)}; executed notebook: "
+                why = kernel_death(stage, failed) or _cell_error(failed)
+                raise StageFailed(f"{stage} failed: {why}; executed notebook: "
                                 f"{_shown_path(nb_dir / (stage + '.ipynb'))}{more}")
             control.external_stop()
             if control.reason is not None:

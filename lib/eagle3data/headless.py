@@ -97,9 +97,82 @@ STOP_FILE = "STOP"
 
 
 class _KernelPids:
-    """The pids of the kernels papermill starts (for the second signal, which interrupts them)."""
+    """The kernels papermill starts: their pids (for the second signal, which interrupts them), their processes
+    (a dead kernel's exit signal) and the memory last measured of each (`StageWatch` samples it)."""
 
     pids: list[int] = []
+    procs: dict[int, Any] = {}
+    rss: dict[int, tuple[int, int, float]] = {}  # pid -> (last RSS, peak RSS, when last measured)
+
+    @classmethod
+    def sample(cls) -> None:
+        """Measure the RSS of the latest kernel (psutil; nothing when it is gone)."""
+        if not cls.pids:
+            return
+        import psutil
+
+        pid = cls.pids[-1]
+        try:
+            rss = psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            return
+        cls.rss[pid] = (rss, max(rss, cls.rss.get(pid, (0, 0, 0.0))[1]), time.time())
+
+
+# The setting that bounds each stage's memory: named when its kernel is killed (issue 59).
+MEMORY_SETTING = {
+    "01_generate": "generate.concurrency (requests in flight)",
+    "02_reconstruct": "reconstruct.batch_size (records rebuilt per chunk)",
+    "03_audit": "audit.chunk_records (records checked per chunk)",
+    "04_extract_hidden": "hidden.batch_tokens (tokens per forward batch) and hidden.shard_bytes",
+    "05_export": "export.chunk_rows (rows written per chunk)",
+    "06_value": "value.train.batch_size",
+}
+
+
+def kernel_death(stage: str, error: BaseException) -> str | None:
+    """Why a stage's kernel died, in one line: its exit signal, that the out-of-memory killer is the usual sender
+    of SIGKILL, the memory last measured and the setting that bounds it; None when the error is not a dead kernel."""
+    if type(error).__name__ != "DeadKernelError" or not _KernelPids.pids:
+        return None
+    pid = _KernelPids.pids[-1]
+    proc = _KernelPids.procs.get(pid)
+    code = None
+    if proc is not None:
+        try:
+            code = proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - the reason line must not fail: say what is known
+            code = getattr(proc, "returncode", None)
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    elif code is not None:
+        how = f"exited with status {code}"
+    else:
+        how = "gone"
+    line = f"{stage}'s kernel (pid {pid}) died: {how}"
+    if code == -signal.SIGKILL:
+        line += " (the system's out-of-memory killer is the usual sender of SIGKILL: `dmesg | grep -i oom` says)"
+    last = _KernelPids.rss.get(pid)
+    if last:
+        total = _total_memory()
+        of = f" of the machine's {total / 2**30:.1f} GiB" if total else ""
+        line += (f"; its memory last measured {time.time() - last[2]:.0f} s before: {last[0] / 2**30:.2f} GiB"
+                 f"{of} (peak {last[1] / 2**30:.2f} GiB)")
+    if stage in MEMORY_SETTING:
+        line += f"; the setting that bounds it: {MEMORY_SETTING[stage]}"
+    return line
+
+
+def _total_memory() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _tracked_kernel_manager():
@@ -108,9 +181,11 @@ def _tracked_kernel_manager():
     class TrackedKernelManager(AsyncKernelManager):
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
             await super()._async_launch_kernel(kernel_cmd, **kw)
-            pid = getattr(getattr(self.provisioner, "process", None), "pid", None)
+            proc = getattr(self.provisioner, "process", None)
+            pid = getattr(proc, "pid", None)
             if pid:
                 _KernelPids.pids.append(int(pid))
+                _KernelPids.procs[int(pid)] = proc
 
     return TrackedKernelManager
 
@@ -205,6 +280,7 @@ class StageWatch(threading.Thread):
     def run(self) -> None:
         next_print = time.time() + self.every_s
         while not self._stop_event.wait(0.5):
+            _KernelPids.sample()
             line = self.current()
             if line:
                 self.last_line = line
