@@ -277,8 +277,10 @@ class LoopbackServer:
                  eot_id: int = 2, eot_text: str = "<|im_end|>", record: bool = True, seed: int = 0,
                  api_key: str | None = None, id_prefix: str = "rid", served_model_name: str | None = None,
                  ssl_context: Any = None, http2: bool = False, h2_max_streams: int = 256,
-                 context_len: int | None = None):
+                 context_len: int | None = None, bill_words: bool = False):
         assert kind in ("openai", "sglang", "vllm")
+        self.bill_prompt: Any = None  # OpenRouter kind: request -> billed prompt tokens (e.g. the templated prompt's)
+        self.bill_words = bill_words  # OpenRouter kind: bill one token per word (WORDS are one token each in BPE vocabularies)
         self.context_len = context_len  # SGLang kind: the model's context length (None: no limit)
         self.id_prefix = id_prefix
         self.served_model_name = served_model_name or model_path
@@ -565,6 +567,11 @@ class LoopbackServer:
             finish = "tool_calls"
         prompt_chars = sum(len(m.get("content") or "") for m in (req or {}).get("messages", []))
         pt, rt, ct = prompt_chars // 4 + 8, len(reasoning or "") // 4, (len(reasoning or "") + len(content or "")) // 4
+        if self.bill_words:
+            rt = len((reasoning or "").split())
+            ct = rt + len((content or "").split())
+        if self.bill_prompt is not None and req:
+            pt = self.bill_prompt(req)
         cost = round((pt + ct) * self.price, 8)
         self.spent += cost
         pt, ct = scripted.get("prompt_tokens", pt), scripted.get("completion_tokens", ct)
@@ -590,6 +597,17 @@ class LoopbackServer:
         self.record = False
 
 
+def _prompt_biller(profile: str, tokenizer_dir: str) -> Any:
+    """request -> its prompt's token count, templated as the client templates it (eagle3data's own rule)."""
+    from transformers import AutoTokenizer
+
+    from eagle3data.core.profiles import get_profile
+    from eagle3data.prompts.load import Prompt, template_prompt
+
+    tok, prof = AutoTokenizer.from_pretrained(tokenizer_dir), get_profile(profile)
+    return lambda req: len(template_prompt(tok, Prompt("api", 0, req.get("messages") or [], req.get("tools")), prof))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="loopback SGLang/OpenRouter server")
     ap.add_argument("--kind", default="openai", choices=["openai", "sglang", "vllm"])
@@ -604,6 +622,11 @@ def main() -> None:
     ap.add_argument("--tls-key", help="... and this key")
     ap.add_argument("--http2", action="store_true", help="offer HTTP/2 beside HTTP/1.1 over TLS (ALPN)")
     ap.add_argument("--h2-max-streams", type=int, default=256, help="HTTP/2 MAX_CONCURRENT_STREAMS per connection")
+    ap.add_argument("--fresh", action="store_true", help="openai: a new random answer per request (no prepared bodies)")
+    ap.add_argument("--bill-words", action="store_true", help="openai: bill one completion token per word")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bill-prompt-with", nargs=2, metavar=("PROFILE", "TOKENIZER_DIR"),
+                    help="openai: bill the prompt tokens of the messages and tools templated as this profile does")
     args = ap.parse_args()
     ctx = None
     if args.tls_cert:
@@ -615,8 +638,11 @@ def main() -> None:
         raise SystemExit("--http2 needs --tls-cert/--tls-key (clients negotiate h2 through TLS ALPN)")
     srv = LoopbackServer(args.kind, latency=args.latency, jitter=args.jitter, body_bytes=(args.body_min, args.body_max),
                          record=False, credit=None, id_prefix=args.id_prefix, model_path=args.model_path,
-                         ssl_context=ctx, http2=args.http2, h2_max_streams=args.h2_max_streams)
-    if args.kind == "openai":
+                         ssl_context=ctx, http2=args.http2, h2_max_streams=args.h2_max_streams,
+                         bill_words=args.bill_words, seed=args.seed)
+    if args.bill_prompt_with:
+        srv.bill_prompt = _prompt_biller(*args.bill_prompt_with)
+    if args.kind == "openai" and not args.fresh:
         srv.prebuild()
 
     async def run() -> None:
