@@ -15,7 +15,8 @@ runs 01 -> 03 and the online hand-offs from a machine without a GPU. This bench 
   params.yaml --only NN`, the documented command, timed, its peak RSS polled (the stage's kernel: the
   ipykernel process papermill starts; and the largest process of the tree).
 
-Checks after the chain: every stage exit 0, both online hand-offs hold every key of the mix exactly once
+`--kill 02,03,05` first SIGKILLs each of those stages' kernel `--kill-after` seconds in (as the OOM killer
+would) and runs it again. Checks after the chain: every stage exit 0, 02's lines and 03's verdicts one per key, both online hand-offs hold every key of the mix exactly once
 (handoff.json `keys` against the mix manifest and the files' own ids), and the key is in no file of the run.
 
 Writes outputs/bench/scale.json: per size and stage wall seconds, tokens, seconds per million tokens,
@@ -166,6 +167,39 @@ def run_stage(params: Path, stage: str, env: dict[str, str], log: Path) -> dict:
             "peak_rss_largest_gib": round(peak.largest / 2**30, 3)}
 
 
+def kill_mid(params: Path, stage: str, env: dict[str, str], log: Path, after_s: float) -> dict:
+    """Start the stage, SIGKILL its kernel after `after_s` seconds (as the OOM killer would), let `run` fail."""
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3data", "run", str(params), "--only", stage],
+                                cwd=REPO, env=env, stdout=f, stderr=subprocess.PIPE, text=True)
+        t0, killed = time.time(), None
+        while proc.poll() is None and killed is None:
+            time.sleep(0.2)
+            if time.time() - t0 < after_s:
+                continue
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if any("ipykernel" in a for a in c.cmdline()):
+                        c.kill()
+                        killed = c.pid
+                except psutil.Error:
+                    pass
+        err = proc.communicate()[1]
+    return {"killed_pid": killed, "after_s": after_s, "rc": proc.returncode, "error": err.strip()[-400:]}
+
+
+def unique_lines(run_dir: Path) -> dict:
+    """Nothing doubled: 02's lines and 03's verdicts one per key."""
+    from eagle3data.core.reader import SampleKey
+
+    out = {}
+    for name, files in (("reconstruct", sorted((run_dir / "reconstruct").glob("*.jsonl"))),
+                        ("verdicts", [run_dir / "audit" / "verdicts.jsonl"])):
+        keys = [SampleKey.of(orjson.loads(line)) for p in files if p.exists() for line in open(p, "rb")]
+        out[name] = {"lines": len(keys), "unique": len(set(keys)) == len(keys)}
+    return out
+
+
 def run_tokens(run_dir: Path) -> dict[str, int]:
     """Records and tokens (prompt + output, 02's rebuilt ids) of the run, from 02's lines."""
     n = tokens = 0
@@ -232,7 +266,11 @@ def one_size(n: int, args, tokenizer_dir: Path) -> dict:
     env = dict(os.environ, **{KEY_ENV: key, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "true"})
     log = root / "run.log"
     try:
+        kills = [k for k in args.kill.split(",") if k]
         for st in args.stages.split(","):
+            if st in kills:
+                res.setdefault("kills", {})[st] = k = kill_mid(params, st, env, log, args.kill_after)
+                print(f"  n={n} stage {st}: kernel killed after {args.kill_after} s: rc {k['rc']}", flush=True)
             r = run_stage(params, st, env, log)
             res["stages"][st] = r
             print(f"  n={n} stage {st}: rc {r['rc']} in {r['seconds']} s, kernel peak {r['peak_rss_kernel_gib']} GiB",
@@ -248,6 +286,7 @@ def one_size(n: int, args, tokenizer_dir: Path) -> dict:
         r["s_per_mtok"] = round(r["seconds"] / (res["tokens"] / 1e6), 3) if res["tokens"] else None
     if "05" in res["stages"] and "failed" not in res:
         res["handoffs"] = check_handoffs(run_dir)
+    res["unique"] = unique_lines(run_dir)
     res["key_in_files"] = key_in_files(run_dir, key)
     (root / "READY").write_text(str(params) + "\n")
     return res
@@ -260,6 +299,9 @@ def main() -> None:
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--latency", type=float, default=0.5)
     ap.add_argument("--keep", action="store_true", help="keep an existing folder (resume)")
+    ap.add_argument("--kill", default="", help="stages (e.g. 02,03,05) whose kernel is SIGKILLed mid-way first, "
+                                               "then run again: the run must complete with nothing doubled")
+    ap.add_argument("--kill-after", type=float, default=30.0, help="seconds into the stage the kill comes")
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--out", default=str(REPO / "outputs" / "bench" / "scale.json"))
     args = ap.parse_args()
