@@ -86,6 +86,26 @@ def make_prompts(folder: Path, n: int, seed: int = 0) -> dict[str, Path]:
     return out
 
 
+def model_folder(root: Path, tokenizer_dir: Path) -> Path:
+    """The target's folder as 05 reads it: the Qwen3 tokenizer, a Qwen3-shaped config.json and a checkpoint
+    holding only a (small) tied embedding, whose name SpecForge's online config points its head at; no weights
+    are loaded on this path (the trainer's machine has the real ones)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = root / "model"
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(tokenizer_dir, out)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 28, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16"}, indent=2))
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 64, dtype=torch.bfloat16)}, str(out / "model.safetensors"))
+    return out
+
+
 def write_params(root: Path, n: int, files: dict[str, Path], port: int, tokenizer_dir: Path) -> Path:
     import yaml
 
@@ -255,7 +275,7 @@ def one_size(n: int, args, tokenizer_dir: Path) -> dict:
         shutil.rmtree(root)
     files = make_prompts(root / "prompts", n)
     server, port = start_server(args.latency, n, tokenizer_dir)
-    params = write_params(root, n, files, port, tokenizer_dir)
+    params = write_params(root, n, files, port, model_folder(root, tokenizer_dir))
     run_dir = root / "outputs" / f"scale_n{n}"
     res: dict = {"prompts": n, "params": str(params), "stages": {}}
     if args.prepare_only:
