@@ -4,7 +4,8 @@
 others are problems for 03_audit to judge), `PROOF_LEVELS` orders the levels weakest first
 (`PROOF_RANK` their rank, `PROOF_MEANING` what each proves), and `Rebuilt` is one rebuilt
 assistant turn with its verification facts, whose `grade` sets the count flags against the
-calibrated offsets, names the checks for what they prove and decides the level. The rebuild
+calibrated offsets, names the checks for what they prove and decides the level (`grade_facts`: the same rule
+on the facts alone, for 02's lines graded after they were written). The rebuild
 that fills a `Rebuilt` is `text.rebuild_batch`; the stage that calibrates the offsets is `run`.
 """
 
@@ -107,30 +108,40 @@ class Rebuilt:
 
     def grade(self, count_offset: int = 0, reasoning_offset: int | None = 0) -> "Rebuilt":
         """Set the count flags against the offsets, the checks (named for what they prove) and the proof level."""
-        fl = [f for f in self.flags if f not in _CALIBRATED_FLAGS]
-        count_ok = None if self.count_diff is None else self.count_diff == count_offset
-        if count_ok is False:
-            if abs(self.count_diff - count_offset) > self.count_tolerance * max(self.billed_tokens or 0, 1):
-                fl.append("count_outside_tolerance")
-            fl.append("count_off_offset")
-        r_ok = (None if self.reasoning_diff is None or reasoning_offset is None
-                else self.reasoning_diff == reasoning_offset)
-        if r_ok is False:
-            fl.append("reasoning_count_off_offset")
-        exact = set(self.token_exact_spans)
-        risky = bool(fl) and any(f in _RISKY_FLAGS and f.partition("_has_")[0] not in exact for f in fl)
-        if fl and any(f in _FAILED_FLAGS for f in fl):
-            level = "failed"
-        elif self.needed_spans and exact.issuperset(self.needed_spans) and not risky and count_ok is not False \
-                and r_ok is not False:
-            level = "token"
-        elif count_ok and r_ok is not False and not risky:
-            level = "count"
-        else:
-            level = "text"
-        self.flags, self.proof_level = fl, level
+        self.flags, self.proof_level, self.checks = grade_facts(
+            self.flags, self.count_diff, self.billed_tokens, self.reasoning_diff, self.token_exact_spans,
+            self.needed_spans, self.roundtrip_ok, self.seam_ok, count_offset, reasoning_offset, self.count_tolerance)
         self.count_offset, self.reasoning_offset = count_offset, reasoning_offset
-        self.checks = {"ids_spell_text": self.roundtrip_ok, "structure_tokens_whole": self.seam_ok,
-                       "count_on_offset": count_ok, "reasoning_count_on_offset": r_ok,
-                       "spans_from_provider": sorted(exact)}
         return self
+
+
+def grade_facts(flags: list[str], count_diff: int | None, billed_tokens: int | None, reasoning_diff: int | None,
+                token_exact_spans: list[str], needed_spans: list[str], roundtrip_ok: bool, seam_ok: bool,
+                count_offset: int, reasoning_offset: int | None, count_tolerance: float
+                ) -> tuple[list[str], str, dict[str, Any]]:
+    """The one grading rule, on a rebuilt turn's facts: (flags with the count flags set against the offsets,
+    proof level, checks). `Rebuilt.grade` applies it to a rebuild; 02's stream to a line it wrote before its
+    dataset's offsets were known (the facts are the line's, plus its text spans)."""
+    fl = [f for f in flags if f not in _CALIBRATED_FLAGS]
+    count_ok = None if count_diff is None else count_diff == count_offset
+    if count_ok is False:
+        if abs(count_diff - count_offset) > count_tolerance * max(billed_tokens or 0, 1):  # type: ignore[operator]
+            fl.append("count_outside_tolerance")
+        fl.append("count_off_offset")
+    r_ok = None if reasoning_diff is None or reasoning_offset is None else reasoning_diff == reasoning_offset
+    if r_ok is False:
+        fl.append("reasoning_count_off_offset")
+    exact = set(token_exact_spans)
+    risky = bool(fl) and any(f in _RISKY_FLAGS and f.partition("_has_")[0] not in exact for f in fl)
+    if fl and any(f in _FAILED_FLAGS for f in fl):
+        level = "failed"
+    elif needed_spans and exact.issuperset(needed_spans) and not risky and count_ok is not False \
+            and r_ok is not False:
+        level = "token"
+    elif count_ok and r_ok is not False and not risky:
+        level = "count"
+    else:
+        level = "text"
+    checks = {"ids_spell_text": roundtrip_ok, "structure_tokens_whole": seam_ok, "count_on_offset": count_ok,
+              "reasoning_count_on_offset": r_ok, "spans_from_provider": sorted(exact)}
+    return fl, level, checks

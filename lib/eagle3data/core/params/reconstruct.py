@@ -23,7 +23,11 @@ class ReconstructParams(Strict):
     append_guard: bool = Field(
         False, description="Append the profile's guard token (Kimi [EOS]) after end-of-turn; engines stop before it."
     )
-    batch_size: int = Field(4096, gt=0, description="Records per batched tokenizer call.")
+    batch_size: int = Field(
+        1024, gt=0, description="Records per batched tokenizer call, and the chunk 02 holds in memory: 02 streams, "
+                                "so this, not the run's size, bounds its memory (about 0.55 GiB plus 0.3 GiB per "
+                                "1,000 records of ~2,400 tokens; the same time per token from 512 to 4096).",
+    )
     calibration_min_records: int = Field(
         10, ge=1, description="Billed records a (provider, dataset, end) group needs before its count offset is "
                               "learned; smaller groups use offset 0 (billed == rebuilt).",
