@@ -345,6 +345,7 @@ def main() -> None:
         chain_b = sum(r["seconds"] for r in big["stages"].values()) / max(big["tokens"], 1)
         growth["chain"] = {"time_per_token": round(chain_b / chain_a, 3) if chain_a else None}
         out["growth"] = growth
+        out["largest"] = big
         out["max_peak_rss_kernel_gib"] = max(r["peak_rss_kernel_gib"] for s in results.values()
                                              for r in s["stages"].values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

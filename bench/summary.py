@@ -143,6 +143,15 @@ SPEC: list[Figure] = [
            "verify.json", "recompute_over_verify_per_sample", "verify-hidden without recompute, the whole store",
            None, better="lower", value="recompute_s_per_sample", value_unit="s per sample",
            load="load_average_at_start.0"),
+    Figure("scale.chain", "01 -> 02 -> 03 -> 05 online at the seeds' shape (8 datasets, ~2,400-token reasoning replies "
+           "through a loopback API, 2,000 in flight): time per token at 88,000 prompts (`bench_scale.py`)", "scale.json",
+           "growth.chain.time_per_token", "the same chain at 8,800 prompts in the same run", 1.2, better="lower",
+           value="max_peak_rss_kernel_gib", value_unit="GiB, the largest stage kernel's peak RSS at either size (goal <= 2)",
+           load="load_1min_at_start"),
+    *[Figure(f"scale.{st}_memory", f"{st} at the seeds' shape: its kernel's peak RSS at 88,000 prompts (`bench_scale.py`)",
+             "scale.json", f"growth.{st}.peak_rss", f"{st}'s peak RSS at 8,800 prompts in the same run", 1.2,
+             better="lower", value=f"largest.stages.{st}.peak_rss_kernel_gib", value_unit="GiB at 88,000 prompts",
+             load="load_1min_at_start") for st in ("01", "02", "03", "05")],
     Figure("verify.kimi_head", "04 verify-hidden: one head position of a Kimi-sized head on CPU (`bench_verify.py`)",
            "verify.json", "kimi_over_this_head", "one position of the store's own (SmolLM2) head", None,
            better="lower", value="kimi_head_ms_per_position_cpu", value_unit="ms per position",
@@ -332,18 +341,41 @@ def readme_table(text: str) -> str:
     return text[a + len(START) + 1 : b]
 
 
+def accept_rows(committed: dict[str, Any], now: dict[str, Any], rows: list[str], why: str) -> dict[str, Any]:
+    """The committed summary with `rows` taken from `now` (in SPEC's order), recorded under `partial` with the
+    commit, time, load and why; every other row stays as committed."""
+    unknown = [r for r in rows if r not in now["figures"]]
+    if unknown:
+        raise SystemExit(f"no such row(s) in this run's summary: {', '.join(unknown)}")
+    order = [f.name for f in SPEC]
+    figures = dict(committed["figures"])
+    figures.update({r: now["figures"][r] for r in rows})
+    out = dict(committed, figures={n: figures[n] for n in order if n in figures})
+    out["partial"] = [*[p for p in committed.get("partial", []) if not set(p["rows"]) <= set(rows)],
+                      {"rows": rows, "commit": now["commit"], "written_at": now["written_at"],
+                       "load_1_5_15": now["load_1_5_15"], "why": why}]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", nargs="?", default="build", choices=["build", "accept", "readme"])
     ap.add_argument("--since", type=float, default=None, help="epoch seconds `make bench` began: older JSONs are stale")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a regression is printed")
+    ap.add_argument("--only", nargs="+", metavar="ROW", help="accept: take only these rows of this run's summary into "
+                                                                 "the committed one (a partial re-measure, with --why)")
+    ap.add_argument("--why", default="", help="accept --only: why only these rows were measured")
     args = ap.parse_args(argv)
     if args.command == "accept":
         src = OUT / "summary.json"
         if not src.exists():
             print(f"no {src}: run `make bench` first", file=sys.stderr)
             return 2
-        COMMITTED.write_text(src.read_text())
+        if args.only:
+            COMMITTED.write_text(json.dumps(accept_rows(json.loads(COMMITTED.read_text()),
+                                                        json.loads(src.read_text()), args.only, args.why), indent=2) + "\n")
+        else:
+            COMMITTED.write_text(src.read_text())
         args.command = "readme"
     if args.command == "readme":
         committed = json.loads(COMMITTED.read_text())
