@@ -37,8 +37,10 @@ from eagle3data.hidden.store.format import INDEX_FILE, split_states
 from eagle3data.hidden.store.reader import HiddenReader
 from eagle3data.trainers.base import HandoffError
 from eagle3data.trainers.registry import TRAINERS, get_trainer
+from eagle3data.core.atomic import write_atomic
 from eagle3data.core.models import _quiet_transformers, resolve_model_path
 from eagle3data.core.profiles import get_profile
+from eagle3data.export.rows import keys_of
 from eagle3data.export.vocab import build_draft_vocab, output_token_counts
 from eagle3data.hidden.estimate import codec_name
 from eagle3data.hidden.mix import hidden_dir as default_hidden_dir
@@ -98,7 +100,7 @@ def plan_handoff(reader: HiddenReader, fmt: str, samples: Sequence[Any], out_dir
     if need not in reader.states:
         raise HandoffError(f"{reader.dir}: 04 stored {list(reader.states)}; {fmt} needs the {need} final state. "
                            f"Rerun 04 with hidden.final_state {need!r} or 'both'")
-    rows = [reader.row(s.key) for s in samples]
+    rows = [reader.row(k) for k in keys_of(samples)]
     idx = [r for r in rows if r is not None]
     tokens = int(reader.index["length"].iloc[idx].sum()) if idx else 0
     per = int(info.get("bytes_per_token") or 0)
@@ -144,8 +146,8 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
     """Write `fmt`'s layout of `samples` (the mix, in order) into `out_dir`; return the manifest.
 
     `samples`: objects with `dataset`, `sample_id`, `input_ids`, `loss_mask` (e.g.
-    `hidden.read_mix(...).samples`). `vocab`: a `DraftVocab` (d2t, t2d); built from the
-    samples' output tokens with `export.draft_vocab_size` when None. Files this hand-off wrote
+    `hidden.read_mix(...).samples`), or 05's `Selection` (read a chunk at a time). `vocab`: a `DraftVocab`
+    (d2t, t2d); built from the samples' output tokens with `export.draft_vocab_size` when None. Files this hand-off wrote
     before and no longer needs (a smaller mix) are removed.
     """
     t0 = time.perf_counter()
@@ -158,10 +160,11 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
         raise HandoffError(f"not enough disk at {out}: converting to {fmt} writes {plan.new_bytes / 1e9:.2f} GB "
                            f"(x{plan.margin} margin) but {plan.free_bytes / 1e9:.2f} GB are free. {plan.reason}")
     rows: list[int] = []
-    for s in samples:
-        r = reader.row(s.key)
+    keys = keys_of(samples)
+    for k in keys:
+        r = reader.row(k)
         if r is None:
-            raise HandoffError(f"{str(s.key)}: not in 04's index at {hdir / INDEX_FILE} "
+            raise HandoffError(f"{str(k)}: not in 04's index at {hdir / INDEX_FILE} "
                                "(run 04 on this mix first)")
         rows.append(r)
     for f in dict.fromkeys(reader.index["shard"].iloc[rows].tolist()):  # before anything is linked or converted
@@ -177,7 +180,8 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
     data.mkdir(parents=True, exist_ok=True)
     wanted: set[str] = set()
     linked = converted = written = 0
-    for i, (s, r) in enumerate(tqdm(list(zip(samples, rows)), desc=f"hand-off {fmt}", disable=not progress)):
+    for i, (s, r) in enumerate(tqdm(zip(samples, rows), total=len(rows), desc=f"hand-off {fmt}",
+                                    disable=not progress)):  # the samples as they are read, a chunk at a time
         dst = data / trainer.handoff_name(i)
         wanted.add(dst.name)
         if plan.mode == "link":
@@ -210,12 +214,12 @@ def write_handoff(params: Any, samples: Sequence[Any], out_dir: str | Path, fmt:
     manifest = {
         "format": fmt, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "hidden_dir": str(hdir),
         "plan": plan.as_dict(), **stat, "rows": len(rows), "tokens": plan.tokens,
-        "keys": [str(s.key) for s in samples],
+        "keys": [str(k) for k in keys],
         "final_state": trainer.final_state, "store_states": list(names), "store_layout": reader.layout,
         "draft_vocab_size": int(len(d2t)), "files": files, "seconds": round(time.perf_counter() - t0, 3),
         **extra,
     }
-    (out / MANIFEST).write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    write_atomic(out / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
     return manifest
 
 

@@ -8,7 +8,8 @@ the trainer asks a serving engine for each row's states with the row's own ids.
   speculators' own `prepare-data` machinery on our pre-tokenized rows
   (`speculators.data_generation.preprocessing.build_speculator_training_dataset`, whose
   `_passthrough_pretokenized` keeps rows with `input_ids` and `loss_mask` as they are, cut to
-  `--seq-length`, dropping a row with nothing supervised) and saved as `prepare-data` saves it; called
+  `--seq-length`, dropping a row with nothing supervised), a chunk of rows at a time, and saved in the
+  layout `prepare-data`'s `save_to_disk` writes (datasets' own ArrowWriter, a file per 500 MB); called
   directly rather than through `load_and_preprocess_dataset`, which shuffles, so that row i is mix
   row i (the trainer shuffles itself). No `hidden_states/`: with `--on-missing generate` its loader
   posts each row's ids to the vLLM server (`/v1/completions`, `max_tokens: 1`, `return_token_ids`),
@@ -25,21 +26,26 @@ the trainer asks a serving engine for each row's states with the row's own ids.
 Rows the trainers would cut or drop at `export.online_max_length` are counted here, before training
 (`window`), with the same rule as theirs; both folders also hold `conversations.jsonl`, the rows as
 text for trainers that take only text, with `text_drift`'s count in the manifest.
+
+The files that hold rows (`Rows`) are written as the rows go by, `export.chunk_rows` at a time, each
+through a temp name renamed when complete: memory is a chunk, not the run, and a run killed midway
+leaves no partial file under its name (the next run removes or overwrites the temp files).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shlex
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import orjson
 
-from eagle3data.core.atomic import write_atomic
+from eagle3data.core.atomic import umask_mode, write_atomic
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.params.export import ONLINE_FORMATS
 from eagle3data.core.params.hidden import HiddenVLLMParams
@@ -48,10 +54,11 @@ from eagle3data.export.handoff import _model_dir
 from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.hidden import capture
 from eagle3data.hidden.engines.vllm_capture import engine_layer_ids, files_dir, hidden_command
-from eagle3data.hidden.mix import hidden_dir
+from eagle3data.export.rows import chunks_of, keys_of, lengths_of
+from eagle3data.hidden.mix import hidden_dir, tmp_tag
 from eagle3data.hidden.store.format import INFO_FILE
 from eagle3data.trainers.specforge import VOCAB_FILE, save_vocab_mapping, write_config
-from eagle3data.trainers.speculators import Speculators, write_dataset
+from eagle3data.trainers.speculators import Speculators
 
 HANDOFF = "handoff.json"
 PROMPTS_FILE = "prompts.jsonl"
@@ -70,25 +77,43 @@ class OnlineExportError(UserInputError):
 # ---------------------------------------------------------------- rows and the trainers' window
 
 
-def window(samples: Sequence[Any], max_length: int | None) -> dict[str, Any]:
+def window(samples: Any, max_length: int | None) -> dict[str, Any]:
     """What the trainers do to the rows at `max_length` (None: the longest row): the rows they keep, those they cut
     (longer, something supervised left), those they drop (nothing supervised within the window).
 
     Both peers' rule: `input_ids[:L]`, `loss_mask[:L]`, dropped when the mask then sums to 0 (speculators
-    `_append_row`; SpecForge `_prompt_from_record` with EAGLE-3's minimum of 1 loss token)."""
-    longest = max((len(s.input_ids) for s in samples), default=1)
-    L = int(max_length or longest)
-    kept, truncated, dropped = [], [], []
-    for i, s in enumerate(samples):
-        if sum(s.loss_mask[:L]) == 0:
-            dropped.append({"key": str(s.key), "length": len(s.input_ids), "supervised": int(sum(s.loss_mask)),
-                            "reason": "nothing supervised" + (f" in the first {L} tokens" if sum(s.loss_mask) else "")})
-            continue
-        kept.append(i)
-        if len(s.input_ids) > L:
-            truncated.append({"key": str(s.key), "length": len(s.input_ids), "kept_tokens": L})
-    return {"max_length": L, "longest_row": longest, "rows_in": len(samples), "rows_out": len(kept),
-            "truncated": truncated, "dropped": dropped, "kept": kept}
+    `_append_row`; SpecForge `_prompt_from_record` with EAGLE-3's minimum of 1 loss token). `Window`, a chunk at a time."""
+    w = Window(max_length, max(lengths_of(samples), default=1))
+    for chunk in chunks_of(samples):
+        w.add(chunk)
+    return w.result()
+
+
+class Window:
+    """`window` over rows given a chunk at a time (`add`, in order); `longest`: the longest row's length."""
+
+    def __init__(self, max_length: int | None, longest: int) -> None:
+        self.longest, self.L, self.n = longest, int(max_length or longest), 0
+        self.kept: list[int] = []
+        self.truncated: list[dict[str, Any]] = []
+        self.dropped: list[dict[str, Any]] = []
+
+    def add(self, samples: Sequence[Any]) -> None:
+        L = self.L
+        for i, s in enumerate(samples, start=self.n):
+            if sum(s.loss_mask[:L]) == 0:
+                self.dropped.append({"key": str(s.key), "length": len(s.input_ids), "supervised": int(sum(s.loss_mask)),
+                                     "reason": "nothing supervised" + (f" in the first {L} tokens" if sum(s.loss_mask)
+                                                                       else "")})
+                continue
+            self.kept.append(i)
+            if len(s.input_ids) > L:
+                self.truncated.append({"key": str(s.key), "length": len(s.input_ids), "kept_tokens": L})
+        self.n += len(samples)
+
+    def result(self) -> dict[str, Any]:
+        return {"max_length": self.L, "longest_row": self.longest, "rows_in": self.n, "rows_out": len(self.kept),
+                "truncated": self.truncated, "dropped": self.dropped, "kept": self.kept}
 
 
 def window_line(fmt: str, w: dict[str, Any]) -> str:
@@ -163,40 +188,193 @@ def capture_server(params: Any, layers: AuxLayers, max_length: int) -> dict[str,
 # ---------------------------------------------------------------- speculators
 
 
-def speculators_dataset(samples: Sequence[Any], out: Path, w: dict[str, Any]) -> str:
-    """The `datasets` folder of the rows through speculators' own prepare-data function (its own library), checked
-    row by row against the window rule; without speculators installed, the same rows written by us. Returns which."""
-    from datasets import Dataset
+class _Shards:
+    """The `datasets` folder `Dataset.save_to_disk` writes (`data-XXXXX-of-NNNNN.arrow` by datasets' own ArrowWriter, a
+    new file past its MAX_SHARD_SIZE, `state.json`, `dataset_info.json`), filled a chunk's dataset at a time: each
+    file under a temp name until all are written, then renamed over the old ones."""
 
-    kept = [samples[i] for i in w["kept"]]
-    for old in out.glob("data-*.arrow"):
-        old.unlink()
-    try:
-        from speculators.data_generation.preprocessing import build_speculator_training_dataset
-    except ImportError:
-        L = w["max_length"]
-        write_dataset([SimpleNamespace(input_ids=s.input_ids[:L], loss_mask=s.loss_mask[:L]) for s in kept], out)
-        return FALLBACK_MADE_BY
-    raw = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids)) for s in samples],
-                             "loss_mask": [list(map(int, s.loss_mask)) for s in samples]})
-    # processor: only asked whether it is multimodal, and pre-tokenized rows never reach that branch
-    ds = build_speculator_training_dataset(raw, None, max_length=w["max_length"], num_proc=1)
-    if len(ds) != len(kept):
-        raise OnlineExportError(f"speculators kept {len(ds)} of {len(samples)} rows where the window rule keeps "
-                                f"{len(kept)}: its prepare-data rule changed (speculators version?)")
-    L = w["max_length"]
-    for i, (row, s) in enumerate(zip(ds.with_format(None), kept)):
-        if row["input_ids"] != list(s.input_ids[:L]) or row["loss_mask"] != list(s.loss_mask[:L]):
-            raise OnlineExportError(f"speculators' prepare-data changed row {i} ({s.key}): its ids or mask differ")
-    ds.save_to_disk(str(out))
-    return SPECULATORS_MADE_BY
+    def __init__(self, out: Path) -> None:
+        from datasets import config
+        from datasets.utils.py_utils import convert_file_size_to_int
+
+        self.out, self.tag, self.limit = out, tmp_tag(), convert_file_size_to_int(config.MAX_SHARD_SIZE)
+        self.files: list[Path] = []
+        self.writer, self.size, self.first, self.last = None, 0, None, None
+        for old in out.glob("data-*.arrow.tmp*"):  # a killed run's
+            old.unlink()
+
+    def add(self, ds: Any) -> None:
+        self.last = ds
+        if not len(ds):
+            return
+        self.first = self.first or ds
+        t = ds.with_format("arrow")[:]
+        sizes = 16 * np.asarray(t.column("seq_len").to_numpy(), dtype=np.int64) + 16  # int64 ids and mask per token
+        at = 0
+        while at < len(t):
+            if self.writer is None:
+                self._open(ds)
+            cum = self.size + np.cumsum(sizes[at:])
+            full = np.flatnonzero(cum >= self.limit)
+            end = at + (int(full[0]) + 1 if len(full) else len(cum))
+            self.writer.write_table(t.slice(at, end - at))
+            self.size, at = int(cum[end - at - 1]), end
+            if len(full):
+                self._close()
+
+    def _open(self, ds: Any) -> None:
+        from datasets.arrow_writer import ArrowWriter
+
+        self.files.append(self.out / f"data-{len(self.files):05d}.arrow{self.tag}")
+        self.writer, self.size = ArrowWriter(features=ds.features, path=str(self.files[-1]), embed_local_files=True), 0
+
+    def _close(self) -> None:
+        self.writer.finalize()
+        self.writer.close()
+        self.writer = None
+
+    def abort(self) -> None:
+        """Stopped before the end: this run's temp files go, the folder's files stay as they were."""
+        if self.writer is not None:
+            self.writer.close()
+        for f in self.files:
+            f.unlink(missing_ok=True)
+
+    def finish(self, fingerprint: str) -> None:
+        from datasets.utils.py_utils import asdict  # save_to_disk's own (leaves out what is None)
+
+        if self.writer is None and not self.files:
+            self._open(self.last)  # no row at all: one empty file, as save_to_disk writes
+        if self.writer is not None:
+            self._close()
+        ds, n = self.first or self.last, len(self.files)
+        for old in self.out.glob("data-*.arrow"):
+            old.unlink()
+        for i, f in enumerate(self.files):
+            os.chmod(f, umask_mode())
+            os.replace(f, self.out / f"data-{i:05d}-of-{n:05d}.arrow")
+        state = {k: ds.__dict__[k] for k in ("_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")}
+        state |= {"_fingerprint": fingerprint, "_split": None if ds.split is None else str(ds.split),
+                  "_data_files": [{"filename": f"data-{i:05d}-of-{n:05d}.arrow"} for i in range(n)]}
+        info = asdict(ds.info)
+        write_atomic(self.out / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
+        write_atomic(self.out / "dataset_info.json", json.dumps({k: info[k] for k in sorted(info)}, indent=2).encode())
 
 
-def write_speculators_online(params: Any, samples: Sequence[Any], out: Path, vocab: Any, counts: np.ndarray,
-                             w: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
-    """`speculators_online/`: the dataset, the draft vocabulary, no hidden_states/, the states server's command."""
+class _Speculators:
+    """speculators' `datasets` folder of the rows, a chunk at a time (`add`), through its own prepare-data function (its
+    own library), each chunk checked row by row against the window rule; without speculators installed, the same rows
+    written by us. `finish` says which."""
 
-    made_by = speculators_dataset(samples, out, w)
+    def __init__(self, out: Path, max_length: int, procs: int | None) -> None:
+        try:
+            from speculators.data_generation.preprocessing import build_speculator_training_dataset as build
+        except ImportError:
+            build = None
+        self.build, self.made_by = build, FALLBACK_MADE_BY if build is None else SPECULATORS_MADE_BY
+        self.L, self.procs, self.shards, self.done = max_length, procs, _Shards(out), 0
+        self.digest = hashlib.blake2b(digest_size=8)
+
+    def add(self, chunk: Sequence[Any]) -> None:
+        from datasets import Dataset, Features, Sequence as Seq, Value
+
+        L = self.L
+        kept = [s for s in chunk if sum(s.loss_mask[:L])]
+        self.digest.update("".join(f"{s.key}\n" for s in kept).encode())
+        if self.build is None:
+            feats = Features({"input_ids": Seq(Value("int64")), "loss_mask": Seq(Value("int64")),
+                              "seq_len": Value("int64")})
+            ds = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids[:L])) for s in kept],
+                                    "loss_mask": [list(map(int, s.loss_mask[:L])) for s in kept],
+                                    "seq_len": [min(len(s.input_ids), L) for s in kept]}, features=feats)
+            self.shards.add(ds.with_format("torch"))
+            self.done += len(kept)
+            return
+        raw = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids)) for s in chunk],
+                                 "loss_mask": [list(map(int, s.loss_mask)) for s in chunk]})
+        # processor: only asked whether it is multimodal, and pre-tokenized rows never reach that branch
+        ds = self.build(raw, None, max_length=L, num_proc=self.procs)
+        if len(ds) != len(kept):
+            raise OnlineExportError(f"speculators kept {len(ds)} of {len(chunk)} rows where the window rule keeps "
+                                    f"{len(kept)}: its prepare-data rule changed (speculators version?)")
+        for i, (row, s) in enumerate(zip(ds.with_format(None), kept), start=self.done):
+            if row["input_ids"] != list(s.input_ids[:L]) or row["loss_mask"] != list(s.loss_mask[:L]):
+                raise OnlineExportError(f"speculators' prepare-data changed row {i} ({s.key}): its ids or mask differ")
+        self.shards.add(ds)
+        self.done += len(kept)
+
+    def finish(self) -> str:
+        self.shards.finish(self.digest.hexdigest())
+        return self.made_by
+
+    def abort(self) -> None:
+        self.shards.abort()
+
+
+class _Lines:
+    """A JSONL file written a chunk of lines at a time through a temp file, renamed over the file by `finish`."""
+
+    def __init__(self, path: Path, line: Callable[[Any], Any]) -> None:
+        self.path, self.line, self.tmp = path, line, path.with_name(path.name + ".tmp")
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed by finish or abort
+
+    def add(self, chunk: Sequence[Any]) -> None:
+        self.f.write(b"".join(orjson.dumps(self.line(s)) + b"\n" for s in chunk))
+
+    def finish(self) -> None:
+        self.f.close()
+        os.chmod(self.tmp, umask_mode())
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def prompt_line(s: Any) -> dict[str, Any]:
+    """SpecForge's pre-tokenized prompt record of a row (`data/prompt_builder.py` reads both keys as ids and mask)."""
+    return {"id": str(s.key), "input_ids": list(s.input_ids), "loss_mask": list(s.loss_mask)}
+
+
+class Rows:
+    """An online format's files that hold the rows, written as the rows go by (`add`, a chunk at a time, in mix order),
+    each through a temp name until `finish`: speculators' dataset or SpecForge's `prompts.jsonl`, and
+    `conversations.jsonl` (`conversation`: a row's record as a conversation). `run_export` feeds every format's in
+    its one pass over the rows."""
+
+    def __init__(self, fmt: str, out: Path, max_length: int, conversation: Callable[[Any], Any],
+                 procs: int | None = 1) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.conversations = _Lines(out / "conversations.jsonl", lambda s: conversation(s.record))
+        self.data: Any = (_Speculators(out, max_length, procs) if fmt == "speculators_online"
+                          else _Lines(out / PROMPTS_FILE, prompt_line))
+
+    def add(self, chunk: Sequence[Any]) -> None:
+        self.data.add(chunk)
+        self.conversations.add(chunk)
+
+    def finish(self) -> str | None:
+        """Rename every file into place; speculators: who made its dataset (`made_by`)."""
+        self.conversations.finish()
+        return self.data.finish()
+
+    def abort(self) -> None:
+        self.conversations.abort()
+        self.data.abort()
+
+
+def rows_for(fmt: str, out: Path, samples: Any, conversation: Callable[[Any], Any], w: dict[str, Any]) -> Rows:
+    """`Rows` of `fmt` for these samples: speculators' function in a worker process when the rows are one call (as
+    prepare-data maps), in this process when it is called per chunk (datasets starts a process pool per call)."""
+    one = len(samples) <= getattr(samples, "chunk_rows", len(samples))
+    return Rows(fmt, out, w["max_length"], conversation, 1 if one else None)
+
+
+def write_speculators_online(params: Any, out: Path, vocab: Any, counts: np.ndarray, w: dict[str, Any],
+                             made_by: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """`speculators_online/` beside its dataset (`Rows`): the draft vocabulary, no hidden_states/, the states server's
+    command."""
+
     n = len(vocab.d2t)
     files = Speculators().write_export_vocab(out, vocab.d2t, vocab.t2d, counts)
     np.save(out / f"d2t-{n}.npy", np.ascontiguousarray(vocab.d2t, dtype=np.int64))
@@ -221,14 +399,12 @@ def write_speculators_online(params: Any, samples: Sequence[Any], out: Path, voc
 # ---------------------------------------------------------------- SpecForge
 
 
-def write_specforge_online(params: Any, samples: Sequence[Any], out: Path, vocab: Any, counts: np.ndarray,
-                           w: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
-    """`specforge_online/`: `prompts.jsonl`, `vocab_mapping.pt`, `specforge.yaml` (online: managed capture stack)."""
+def write_specforge_online(params: Any, out: Path, vocab: Any, counts: np.ndarray, w: dict[str, Any],
+                           made_by: str | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """`specforge_online/` beside its `prompts.jsonl` (`Rows`): `vocab_mapping.pt`, `specforge.yaml` (online: managed
+    capture stack)."""
 
     L = w["max_length"]
-    write_atomic(out / PROMPTS_FILE, b"".join(orjson.dumps({"id": str(s.key), "input_ids": list(s.input_ids),
-                                                             "loss_mask": list(s.loss_mask)}) + b"\n"
-                                              for s in samples))
     save_vocab_mapping(out / VOCAB_FILE, vocab.d2t, vocab.t2d)
     layers, source = layer_plan(params)
     cap = capture_server(params, layers, L)
@@ -257,23 +433,36 @@ def write_specforge_online(params: Any, samples: Sequence[Any], out: Path, vocab
 # ---------------------------------------------------------------- one online format
 
 
-def write_online(params: Any, samples: Sequence[Any], out: Path, fmt: str, vocab: Any, counts: np.ndarray,
-                 drift: dict[str, Any], conversations: Any) -> tuple[dict[str, str], dict[str, Any]]:
-    """Write `fmt` (an ONLINE_FORMATS name) of the mix into `out`; return its files and its `handoff.json`."""
+def write_online(params: Any, samples: Any, out: Path, fmt: str, vocab: Any, counts: np.ndarray,
+                 drift: dict[str, Any], conversation: Callable[[Any], Any], w: dict[str, Any] | None = None,
+                 rows: Rows | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """Write `fmt` (an ONLINE_FORMATS name) of the mix into `out`; return its files and its `handoff.json`.
+
+    `samples`: the export's rows (`run.Selection`, read a chunk at a time, or a list); `conversation`: a record as
+    a conversation. `w`: their `window` at `export.online_max_length`, and `rows`: their files already fed every row
+    (`run_export` makes both in its one pass over the rows); made here when None."""
     if fmt not in ONLINE_FORMATS:
         raise OnlineExportError(f"unknown online format {fmt!r}; online formats: {', '.join(ONLINE_FORMATS)}")
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    w = window(samples, params.export.online_max_length)
+    w = w if w is not None else window(samples, params.export.online_max_length)
+    if rows is None:
+        rows = rows_for(fmt, out, samples, conversation, w)
+        try:
+            for chunk in chunks_of(samples):
+                rows.add(chunk)
+        except BaseException:
+            rows.abort()
+            raise
+    made_by = rows.finish()
     writer = write_speculators_online if fmt == "speculators_online" else write_specforge_online
-    files, extra = writer(params, samples, out, vocab, counts, w)
-    conversations(out / "conversations.jsonl", samples)
+    files, extra = writer(params, out, vocab, counts, w, made_by)
     files["conversations.jsonl"] = ("the rows as text (id, conversations): for trainers that take only text "
                                     "(TorchSpec, Model-Optimizer), which re-tokenize it (manifest text_trainers)")
-    kept = [samples[i] for i in w["kept"]]
+    keys, lengths = keys_of(samples), lengths_of(samples)
     handoff = {"format": fmt, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "rows": len(kept), "tokens": sum(min(len(s.input_ids), w["max_length"]) for s in kept),
-               "keys": [str(s.key) for s in kept], "max_length": w["max_length"],
+               "rows": len(w["kept"]), "tokens": sum(min(lengths[i], w["max_length"]) for i in w["kept"]),
+               "keys": [str(keys[i]) for i in w["kept"]], "max_length": w["max_length"],
                "window": {k: v for k, v in w.items() if k != "kept"}, "draft_vocab_size": int(len(vocab.d2t)),
                "text_trainers": {k: drift.get(k) for k in ("rows", "reproduced", "differ", "differing_keys")},
                **extra, "files": files, "seconds": round(time.perf_counter() - t0, 3)}

@@ -12,6 +12,10 @@ order. Without a written mix (04 off), the mix is built here with the same rule.
 
 The draft vocabulary (`vocab.py`) is computed once per export, from the exported samples, and
 written beside every format.
+
+Nothing holds the run: the selection reads the mix's samples `export.chunk_rows` at a time (`rows.py`),
+and `run_export` makes the output-token counts, the text trainers' count, the online window and every
+online format's row files in one pass over them; what is kept of every row is small (its key, length).
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import orjson
 
-from eagle3data.core.reader import RunFileError, Sample, SampleKey, read_run
-from eagle3data.export.vocab import (DraftVocab, build_draft_vocab, coverage_curve, output_token_counts,
-                                     save_draft_vocab)
+from eagle3data.core.atomic import atomic_path, write_atomic
+from eagle3data.core.reader import RunFileError, Sample, SampleKey
+from eagle3data.core.stream import index_journal
+from eagle3data.export.rows import chunks_of
+from eagle3data.export.vocab import DraftVocab, add_output_counts, build_draft_vocab, coverage_curve, save_draft_vocab
 from eagle3data.trainers.registry import TRAINERS, get_trainer
 from eagle3data.core.models import context_limit
 from eagle3data.core.peer_logs import PEER_LOG, peers_to_log
@@ -36,7 +42,8 @@ from eagle3data.core.profiles import get_profile
 from eagle3data.core.provenance import RunParamsError, params_of_run as read, write_provenance
 from eagle3data.export.handoff import write_handoff
 from eagle3data.hidden.store.failures import empty_mix_line, require_merged_states
-from eagle3data.hidden.mix import MANIFEST_FILE, MIX_FILE, build_mix, hidden_dir, read_mix
+from eagle3data.hidden.mix import CHUNK, MANIFEST_FILE, MIX_FILE, Mix, build_mix, hidden_dir, read_mix
+from eagle3data.hidden.mix.rows import Records
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE
 from eagle3data.core.params.export import ONLINE_FORMATS
 from eagle3data.export import online, text_drift
@@ -57,14 +64,52 @@ def token_record(s: Sample) -> dict[str, Any]:
 
 @dataclass
 class Selection:
-    """What a run offers for export: the samples kept, and each skipped one with its reason."""
+    """What a run offers for export: 04's mix in mix order, each sample with its record, read `chunk_rows` at a time
+    (`chunks`, or `for s in sel`); the mix's drops as skips. `samples` holds them all at once (small runs)."""
 
-    samples: list[Sample] = field(default_factory=list)
+    mix: Mix = field(default_factory=Mix)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     verdicts_present: bool = False
     include_failed: bool = False
     mix_source: str = ""  # where the mix came from: hidden/mix.parquet, or built here
     hidden_verification: str = "no hidden states"  # verify-hidden's outcome for the store (`_check_verified`)
+    chunk_rows: int = CHUNK
+    records: Records | None = None  # a written mix's records, by key (a mix built here reads its own)
+    _all: list[Sample] | None = field(default=None, repr=False)
+
+    def chunks(self) -> Iterator[list[Sample]]:
+        """The samples in mix order, each with its record and that record's finish reason, `chunk_rows` at a time."""
+        for ss in self.mix.iter_samples(self.chunk_rows, keep_record=self.records is None):
+            recs = self.records([s.key for s in ss]) if self.records is not None else [s.record for s in ss]
+            out = []
+            for s, rec in zip(ss, recs):
+                if rec is None:
+                    raise ExportError(f"sample {s.key} is not among the run's records: the mix is stale, rebuild it "
+                                      "(run 04 again)")
+                out.append(dataclasses.replace(s, finish_reason=rec.get("finish_reason"), record=rec))
+            yield out
+
+    def __iter__(self) -> Iterator[Sample]:
+        return (s for ss in self.chunks() for s in ss)
+
+    def __len__(self) -> int:
+        return len(self.mix)
+
+    @property
+    def keys(self) -> list[SampleKey]:
+        return self.mix.keys
+
+    @property
+    def entries(self) -> list[Any]:
+        """The mix's small facts per sample, in mix order (`mix.Entry`: key, source, ids_exact, tokens, loss tokens)."""
+        return self.mix.entries
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample with its record, held in memory (small runs; the export itself reads `chunks`)."""
+        if self._all is None:
+            self._all = list(self)
+        return self._all
 
     def skipped_counts(self) -> dict[str, int]:
         return dict(sorted(Counter(s["reason"] for s in self.skipped).items()))
@@ -74,12 +119,12 @@ class Selection:
         import pandas as pd
 
         rows: dict[str, dict[str, int]] = {}
-        for s in self.samples:
-            r = rows.setdefault(s.dataset, Counter())
+        for e in self.entries:
+            r = rows.setdefault(e.dataset, Counter())
             r["exported"] += 1
-            r["ids_exact"] += int(s.ids_exact)
-            r["ids_rebuilt"] += int(not s.ids_exact)
-            r["output_tokens"] += int(sum(s.loss_mask))
+            r["ids_exact"] += int(e.ids_exact)
+            r["ids_rebuilt"] += int(not e.ids_exact)
+            r["output_tokens"] += e.loss_tokens
         for s in self.skipped:
             rows.setdefault(s["dataset"], Counter())[f"skipped_{s['reason']}"] += 1
         df = pd.DataFrame.from_dict(rows, orient="index").fillna(0).astype(int).sort_index()
@@ -94,45 +139,40 @@ def select_samples(params: Any) -> Selection:
     """The samples to export: 04's training mix in mix order, each with its record; the mix's drops as skips.
 
     Reads the written mix (`hidden/mix.parquet`) when there is one and checks it against the
-    hidden-state index when 04 stored states; otherwise builds the mix with the same rule
-    (without writing it). The records come through the one reader, read once. An empty mix is refused
-    (one line: its drop reasons): a hand-off of 0 rows is never written.
+    hidden-state index when 04 stored states, and every key against the run's records; otherwise
+    builds the mix with the same rule (without writing it). Nothing of the samples is held: the
+    Selection reads them `export.chunk_rows` at a time, each time it is iterated. An empty mix is
+    refused (one line: its drop reasons): a hand-off of 0 rows is never written.
     """
-    run_dir = params.run_dir
+    run_dir, chunk = params.run_dir, params.export.chunk_rows
     if not (run_dir / "records").is_dir():
         raise ExportError(f"{run_dir} has no records/ folder: is it a run folder (outputs/<run>)?")
     hdir = hidden_dir(params)
+    records = None
     if (hdir / MIX_FILE).exists():
-        mix, where = read_mix(hdir), f"{hdir / MIX_FILE} (04's mix)"
+        mix, where = read_mix(hdir, chunk), f"{hdir / MIX_FILE} (04's mix)"
         _refuse_empty(mix, hdir / MANIFEST_FILE)
         _check_index(hdir, mix)
         verified = _check_verified(hdir, run_dir, params.export.allow_unverified)
-        view = read_run(run_dir, sorted({s.dataset for s in mix.samples}), error=ExportError,
-                        rebuilt=False, verdicts=False)
+        records = Records({n: index_journal(run_dir, n, ExportError) for n in sorted({k.dataset for k in mix.keys})})
+        stale = next((k for k in mix.keys if k not in records), None)
+        if stale is not None:
+            raise ExportError(f"{hdir / MIX_FILE}: sample {stale} is not among the run's records: the mix is stale, "
+                              "rebuild it (run 04 again)")
     else:
-        view = read_run(run_dir, [d.name for d in params.datasets if (run_dir / "records" / f"{d.name}.jsonl").exists()],
-                        error=ExportError)
-        mix = build_mix(params, write=False, view=view, max_context=context_limit(params))
+        mix = build_mix(params, write=False, max_context=context_limit(params), error=ExportError)
         where = "built here with the mix rule (no hidden/mix.parquet: 04 has not run)"
         _refuse_empty(mix, "the mix built here with 04's rule (04 has not run)")
         verified = "no hidden states"
-    records = view.by_key()
-    samples = []
-    for s in mix.samples:
-        rec = records.get(s.key)
-        if rec is None:
-            raise ExportError(f"{hdir / MIX_FILE}: sample {s.key} is not among the run's records: the mix is stale, "
-                              "rebuild it (run 04 again)")
-        samples.append(dataclasses.replace(s, finish_reason=rec.get("finish_reason"), record=rec))
     man = mix.manifest
-    return Selection(samples=samples, skipped=list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
+    return Selection(mix, list(mix.dropped), verdicts_present=bool(man.get("audit_found")),
                      include_failed=bool((man.get("settings") or {}).get("include_failed")), mix_source=where,
-                     hidden_verification=verified)
+                     hidden_verification=verified, chunk_rows=chunk, records=records)
 
 
 def _refuse_empty(mix: Any, where: Path | str) -> None:
     """05 exports no hand-off of 0 rows: an empty mix is an ExportError naming its drop reasons."""
-    if not mix.samples:
+    if not len(mix):
         raise ExportError(f"05: nothing to export: {empty_mix_line(mix, where)}")
 
 
@@ -145,7 +185,7 @@ def _check_index(hdir: Path, mix: Any) -> None:
     if not path.exists():
         return
     stored = [str(k) for k in SampleKey.of_frame(pq.read_table(path).to_pandas())]
-    want = [str(s.key) for s in mix.samples]
+    want = [str(k) for k in mix.keys]
     if stored != want:
         first = next((i for i, (a, b) in enumerate(zip(stored, want)) if a != b), min(len(stored), len(want)))
         raise ExportError(f"{path}: the hidden-state index ({len(stored)} samples) differs from the mix "
@@ -199,30 +239,30 @@ def conversation(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """One JSON line per row as the rows come, through a temp file renamed at the end."""
     n = 0
-    with open(path, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for r in rows:
             f.write(orjson.dumps(r) + b"\n")
             n += 1
     return n
 
 
-def _write_parquet(path: Path, samples: list[Sample]) -> None:
+def _write_parquet(path: Path, samples: Any) -> None:
+    """The token-level records as parquet, one row group per chunk of samples, through a temp file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "id": pa.array([str(s.key) for s in samples], pa.string()),
-        "dataset": pa.array([s.dataset for s in samples], pa.string()),
-        "sample_id": pa.array([str(s.sample_id) for s in samples], pa.string()),
-        "turn": pa.array([s.turn for s in samples], pa.int32()),
-        "source": pa.array([s.source for s in samples], pa.string()),
-        "ids_exact": pa.array([s.ids_exact for s in samples], pa.bool_()),
-        "finish_reason": pa.array([s.finish_reason for s in samples], pa.string()),
-        "input_ids": pa.array([s.input_ids for s in samples], pa.list_(pa.int64())),
-        "loss_mask": pa.array([s.loss_mask for s in samples], pa.list_(pa.int8())),
-    })
-    pq.write_table(table, path)
+    schema = pa.schema([("id", pa.string()), ("dataset", pa.string()), ("sample_id", pa.string()),
+                        ("turn", pa.int32()), ("source", pa.string()), ("ids_exact", pa.bool_()),
+                        ("finish_reason", pa.string()), ("input_ids", pa.list_(pa.int64())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    with atomic_path(path) as tmp, pq.ParquetWriter(str(tmp), schema) as w:
+        for ss in chunks_of(samples):
+            w.write_table(pa.table([[str(s.key) for s in ss], [s.dataset for s in ss], [str(s.sample_id) for s in ss],
+                                    [s.turn for s in ss], [s.source for s in ss], [s.ids_exact for s in ss],
+                                    [s.finish_reason for s in ss], [s.input_ids for s in ss],
+                                    [s.loss_mask for s in ss]], schema=schema))
 
 
 # the token files of an export, by name: how each is written and what it holds (a trainer names those it takes)
@@ -240,7 +280,8 @@ _TOKEN_FILES = {
 
 
 def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, counts: np.ndarray,
-           vocab: DraftVocab, params: Any = None, drift: dict[str, Any] | None = None) -> dict[str, Any]:
+           vocab: DraftVocab, params: Any = None, drift: dict[str, Any] | None = None,
+           window: dict[str, Any] | None = None, rows: Any = None) -> dict[str, Any]:
     """Write one trainer format of the selection plus its draft vocabulary into `out`; returns the manifest.
 
     `counts` and `vocab` are the selection's output-token counts and draft vocabulary,
@@ -248,21 +289,24 @@ def export(run_dir: str | Path, out: str | Path, fmt: str, sel: Selection, count
     the trainer's own layout is written too (`handoff.write_handoff`: hardlinked when
     `hidden.layout` is this trainer's, else converted with a disk check). An online format
     (`online.py`) needs `params` and no store. `drift`: the text trainers' count (`text_drift`),
-    measured here when None and params are given.
+    measured here when None and params are given. `window`: the online trainers' window of the rows at
+    `export.online_max_length` (`online.window`), made here when None; `rows`: an online format's row files
+    (`online.Rows`) already fed every row (`run_export`'s one pass), else written here. The rows are read from `sel`
+    a chunk at a time by every file that holds them.
     """
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
     require_merged_states(params, fmt)  # 04 planned a mix and merged no index: refused before anything is written
     with peers_to_log(Path(run_dir) / "export" / PEER_LOG):  # datasets' and speculators' own lines: not the notebook's
-        return _export(Path(run_dir), Path(out), fmt, sel, counts, vocab, params, drift)
+        return _export(Path(run_dir), Path(out), fmt, sel, counts, vocab, params, drift, window, rows)
 
 
-def _export(run_dir: Path, out: Path, fmt: str, sel: Selection, counts: np.ndarray,
-            vocab: DraftVocab, params: Any, drift: dict[str, Any] | None) -> dict[str, Any]:
+def _export(run_dir: Path, out: Path, fmt: str, sel: Selection, counts: np.ndarray, vocab: DraftVocab,
+            params: Any, drift: dict[str, Any] | None, window: dict[str, Any] | None, rows: Any) -> dict[str, Any]:
     """`export`'s body, the peers' logging already routed to the run's log."""
     out.mkdir(parents=True, exist_ok=True)
     if drift is None and params is not None:
-        drift = text_drift.measure(params, sel.samples)
+        drift = text_drift.measure(params, sel)
     files: dict[str, str] = {}
     save_draft_vocab(vocab, out / "draft_vocab.safetensors")
     files["draft_vocab.safetensors"] = "d2t int64 [draft_vocab] (target_id = draft_id + d2t), t2d bool [target_vocab]"
@@ -270,14 +314,14 @@ def _export(run_dir: Path, out: Path, fmt: str, sel: Selection, counts: np.ndarr
     if fmt in ONLINE_FORMATS:
         if params is None:
             raise ExportError(f"format {fmt}: an online hand-off needs the run's params")
-        more, handoff = online.write_online(params, sel.samples, out, fmt, vocab, counts, drift or {},
-                                            _TOKEN_FILES["conversations.jsonl"][0])
+        more, handoff = online.write_online(params, sel, out, fmt, vocab, counts, drift or {}, conversation, window,
+                                            rows)
         files.update(more)
     else:
         trainer = get_trainer(fmt)
         for name in trainer.export_files:  # the token files this trainer takes, then its draft vocabulary
             write, holds = _TOKEN_FILES[name]
-            write(out / name, sel.samples)
+            write(out / name, sel)
             files[name] = holds
         files.update(trainer.write_export_vocab(out, vocab.d2t, vocab.t2d, counts))
         if params is not None:
@@ -291,10 +335,10 @@ def _export(run_dir: Path, out: Path, fmt: str, sel: Selection, counts: np.ndarr
                       "rule": ("04's training mix: records that passed every audit check"
                                if sel.verdicts_present and not sel.include_failed
                                else "04's training mix, NO audit filter (no verdicts, or hidden.include_failed)")},
-        "exported": len(sel.samples),
-        "ids_exact": sum(s.ids_exact for s in sel.samples),
-        "ids_rebuilt": sum(not s.ids_exact for s in sel.samples),
-        "tokens": sum(len(s.input_ids) for s in sel.samples),
+        "exported": len(sel),
+        "ids_exact": sum(e.ids_exact for e in sel.entries),
+        "ids_rebuilt": sum(not e.ids_exact for e in sel.entries),
+        "tokens": sum(e.tokens for e in sel.entries),
         "output_tokens": int(counts.sum()),
         "skipped": sel.skipped_counts(),
         "skipped_samples": sel.skipped,
@@ -306,7 +350,7 @@ def _export(run_dir: Path, out: Path, fmt: str, sel: Selection, counts: np.ndarr
             if k in handoff and not (k == "files" and fmt in ONLINE_FORMATS)},  # online: its files are the manifest's
         "text_trainers": drift if drift is not None else "not measured: no params given",
     }
-    (out / "manifest.json").write_bytes(orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    write_atomic(out / "manifest.json", orjson.dumps(manifest, option=orjson.OPT_INDENT_2))  # whole or not at all
     return manifest
 
 
@@ -388,39 +432,65 @@ def _handoff(params: Any, sel: Selection, out: Path, fmt: str, vocab: DraftVocab
     """The trainer's own layout of the mix, or why it is not written (04 has stored no hidden states)."""
     if not (hidden_dir(params) / INDEX_FILE).exists():
         return "not written: 04 has stored no hidden states (no hidden/index.parquet); token files only"
-    return write_handoff(params, sel.samples, out, fmt, vocab=vocab)
+    return write_handoff(params, sel, out, fmt, vocab=vocab)
 
 
-def _counts_and_vocab(params: Any, sel: Selection) -> tuple[np.ndarray, DraftVocab]:
-    """The selection's output-token counts and its draft vocabulary: computed once per export."""
-    counts = output_token_counts(sel.samples, get_profile(params.profile).vocab_size)
-    return counts, build_draft_vocab(counts, params.export.draft_vocab_size)
+def _survey(params: Any, sel: Selection, outs: dict[str, Path]
+            ) -> tuple[np.ndarray, DraftVocab, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """One pass over the rows, a chunk at a time: their output-token counts and draft vocabulary, the text trainers'
+    count (`text_drift`) and the online trainers' window, each made once per export for every format, and the row
+    files of each online format in `outs` (format -> folder: `online.Rows`, finished by `export`)."""
+    counts = np.zeros(get_profile(params.profile).vocab_size, np.int64)
+    drift = text_drift.counter(params)
+    win = online.Window(params.export.online_max_length, max((e.tokens for e in sel.entries), default=1))
+    rows = {f: online.rows_for(f, o, sel, conversation, {"max_length": win.L}) for f, o in outs.items()
+            if f in ONLINE_FORMATS}
+    try:
+        for chunk in sel.chunks():
+            add_output_counts(counts, chunk)
+            drift.add(chunk)
+            win.add(chunk)
+            for r in rows.values():
+                r.add(chunk)
+    except BaseException:
+        for r in rows.values():
+            r.abort()
+        raise
+    vocab = build_draft_vocab(counts, params.export.draft_vocab_size)
+    return counts, vocab, drift.result(), win.result(), rows
 
 
 def run_export(params: Any, out: str | Path | None = None, formats: Iterable[str] | None = None) -> ExportResult:
     """Export 04's mix in each format (`export.formats`) into `<run>/export/<format>/` (or `out`), plus `draft_vocab.safetensors`."""
     run_dir = params.run_dir
     out = Path(out) if out else run_dir / "export"
-    sel = select_samples(params)
-    counts, vocab = _counts_and_vocab(params, sel)
     formats = list(formats if formats is not None else params.export.formats)
-    drift = text_drift.measure(params, sel.samples)  # once: a property of the mix, in every format's manifest
-    manifests = {fmt: export(run_dir, out / fmt, fmt, sel, counts, vocab, params, drift) for fmt in formats}
-    save_draft_vocab(vocab, out / "draft_vocab.safetensors")
+    keep: dict[str, Any] = {}
+    manifests = export_formats(params, {fmt: out / fmt for fmt in formats}, keep)
+    save_draft_vocab(keep["vocab"], out / "draft_vocab.safetensors")
     write_provenance(run_dir, "05_export", params)
-    return ExportResult(out_dir=out, manifests=manifests, selection=sel, counts=counts, vocab=vocab)
+    return ExportResult(out_dir=out, manifests=manifests, selection=keep["sel"], counts=keep["counts"],
+                        vocab=keep["vocab"])
 
 
-def export_formats(params: Any, outs: dict[str, str | Path]) -> dict[str, dict[str, Any]]:
+def export_formats(params: Any, outs: dict[str, str | Path], keep: dict[str, Any] | None = None
+                   ) -> dict[str, dict[str, Any]]:
     """Export 04's mix of a run in each format into its folder (`{format: folder}`, what `eagle3data export` does):
-    the mix read, the draft vocabulary and the text trainers' count made once; returns the manifests."""
+    the mix read, the draft vocabulary, the text trainers' count and the online formats' rows made in one pass over
+    the rows; returns the manifests (`keep`: filled with the selection, counts and vocabulary)."""
     bad = [f for f in outs if f not in FORMATS]
     if bad:
         raise ExportError(f"unknown export format {bad[0]!r}; formats: {', '.join(FORMATS)}")
     sel = select_samples(params)
-    counts, vocab = _counts_and_vocab(params, sel)
-    drift = text_drift.measure(params, sel.samples)
-    return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift) for fmt, out in outs.items()}
+    for fmt in outs:
+        require_merged_states(params, fmt)  # 04 planned a mix and merged no index: refused before anything is written
+    outs = {f: Path(o) for f, o in outs.items()}
+    with peers_to_log(params.run_dir / "export" / PEER_LOG):  # datasets' and speculators' own lines
+        counts, vocab, drift, win, rows = _survey(params, sel, outs)
+    if keep is not None:
+        keep.update(sel=sel, counts=counts, vocab=vocab)
+    return {fmt: export(params.run_dir, out, fmt, sel, counts, vocab, params, drift, win, rows.get(fmt))
+            for fmt, out in outs.items()}
 
 
 def export_format(params: Any, out: str | Path, fmt: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.profiles import get_profile
+from eagle3data.export.rows import chunks_of
 from eagle3data.prompts.load import Prompt, messages_for_template
 from eagle3data.rebuild.provider_tokens import fast_backend
 from eagle3data.rebuild.text import first_diff
@@ -61,48 +62,77 @@ def _view(tokenizer: Any, ids: Sequence[int]) -> list[list[Any]]:
     return [[int(i), bt.decode([int(i)], skip_special_tokens=False)] for i in ids]
 
 
-def text_drift(samples: Sequence[Any], tokenizer: Any, profile: Any) -> dict[str, Any]:
+class DriftCount:
+    """`text_drift` a chunk of rows at a time (`add`), the figure at the end (`result`): memory is one chunk's texts
+    and ids plus the differing rows' keys. With `not_measured` (no tokenizer here) it only counts the rows."""
+
+    def __init__(self, tokenizer: Any, profile: Any, not_measured: str | None = None) -> None:
+        self.tokenizer, self.profile, self.why = tokenizer, profile, not_measured
+        self.rows = self.equal = self.tail = 0
+        self.kinds: dict[str, int] = {}
+        self.differing: list[dict[str, Any]] = []
+
+    def add(self, samples: Sequence[Any]) -> None:
+        self.rows += len(samples)
+        if self.why is not None or not samples:
+            return
+        tokenizer, eot = self.tokenizer, set(self.profile.stop_ids)
+        for s, theirs in zip(samples, rule_ids(tokenizer, samples, self.profile)):
+            ours = list(s.input_ids)
+            d = first_diff(ours, theirs)
+            if d is None:
+                self.equal += 1
+                continue
+            if d == len(ours) and ours and ours[-1] in eot:  # ours, then only the template's tail after our end-of-turn
+                self.tail += 1
+                continue
+            kind = ("end_of_turn_added" if d == len(ours) and d < len(theirs) and theirs[d] in eot
+                    else "inside")  # a reply cut at the budget gets an end-of-turn the model never emitted
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
+            if len(self.differing) < SHOW:
+                lo = max(0, d - WINDOW)
+                self.differing.append({"key": str(s.key), "kind": kind, "position": d, "ours_len": len(ours),
+                                       "theirs_len": len(theirs), "ours": _view(tokenizer, ours[lo: d + WINDOW]),
+                                       "theirs": _view(tokenizer, theirs[lo: d + WINDOW]), "window_start": lo})
+            else:
+                self.differing.append({"key": str(s.key), "kind": kind, "position": d})
+
+    def result(self) -> dict[str, Any]:
+        if self.why is not None:
+            return {"rows": self.rows, "reproduced": None, "rule": RULE, "not_measured": self.why}
+        n, equal, tail = self.rows, self.equal, self.tail
+        return {"rows": n, "reproduced": equal + tail, "equal": equal, "equal_then_template_tail": tail,
+                "differ": n - equal - tail, "differ_kinds": dict(sorted(self.kinds.items())),
+                "first_differing": self.differing[:SHOW], "differing_keys": [x["key"] for x in self.differing],
+                "rule": RULE}
+
+
+def text_drift(samples: Any, tokenizer: Any, profile: Any) -> dict[str, Any]:
     """For how many rows the text trainers' rule reproduces the exact ids, the first differing rows named."""
-    eot = set(profile.stop_ids)
-    equal = tail = 0
-    kinds: dict[str, int] = {}
-    differing: list[dict[str, Any]] = []
-    for s, theirs in zip(samples, rule_ids(tokenizer, samples, profile)):
-        ours = list(s.input_ids)
-        d = first_diff(ours, theirs)
-        if d is None:
-            equal += 1
-            continue
-        if d == len(ours) and ours and ours[-1] in eot:  # ours, then only the template's tail after our end-of-turn
-            tail += 1
-            continue
-        kind = ("end_of_turn_added" if d == len(ours) and d < len(theirs) and theirs[d] in eot
-                else "inside")  # a reply cut at the budget gets an end-of-turn the model never emitted
-        kinds[kind] = kinds.get(kind, 0) + 1
-        if len(differing) < SHOW:
-            lo = max(0, d - WINDOW)
-            differing.append({"key": str(s.key), "kind": kind, "position": d, "ours_len": len(ours), "theirs_len": len(theirs),
-                              "ours": _view(tokenizer, ours[lo: d + WINDOW]),
-                              "theirs": _view(tokenizer, theirs[lo: d + WINDOW]), "window_start": lo})
-        else:
-            differing.append({"key": str(s.key), "kind": kind, "position": d})
-    n = len(samples)
-    return {"rows": n, "reproduced": equal + tail, "equal": equal, "equal_then_template_tail": tail,
-            "differ": n - equal - tail, "differ_kinds": dict(sorted(kinds.items())), "first_differing": differing[:SHOW],
-            "differing_keys": [x["key"] for x in differing], "rule": RULE}
+    count = DriftCount(tokenizer, profile)
+    for chunk in chunks_of(samples):
+        count.add(chunk)
+    return count.result()
 
 
-def measure(params: Any, samples: Sequence[Any]) -> dict[str, Any]:
-    """`text_drift` with the run's tokenizer, or why it was not measured (the tokenizer is not on this machine)."""
+def counter(params: Any) -> DriftCount:
+    """A `DriftCount` with the run's tokenizer, or one that says why it does not measure (the tokenizer is not on
+    this machine, or has no chat template)."""
     try:
         tok = tokenizer_for(params)
     except Exception as e:  # noqa: BLE001 - a tokenizer only the GPU machine has: said, not fatal
-        return {"rows": len(samples), "reproduced": None, "rule": RULE,
-                "not_measured": f"the run's tokenizer could not be loaded here ({type(e).__name__}: {e})"}
+        return DriftCount(None, None, f"the run's tokenizer could not be loaded here ({type(e).__name__}: {e})")
     if getattr(tok, "chat_template", None) is None:
-        return {"rows": len(samples), "reproduced": None, "rule": RULE,
-                "not_measured": "the tokenizer has no chat template: a text-only trainer cannot render these rows"}
-    return text_drift(samples, tok, get_profile(params.profile))
+        return DriftCount(None, None, "the tokenizer has no chat template: a text-only trainer cannot render these rows")
+    return DriftCount(tok, get_profile(params.profile))
+
+
+def measure(params: Any, samples: Any) -> dict[str, Any]:
+    """`text_drift` with the run's tokenizer, or why it was not measured, a chunk of rows at a time."""
+    count = counter(params)
+    for chunk in chunks_of(samples):
+        count.add(chunk)
+    return count.result()
 
 
 def drift_line(d: dict[str, Any]) -> str:

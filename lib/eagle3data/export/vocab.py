@@ -17,6 +17,7 @@ import numpy as np
 
 from eagle3data.core.atomic import atomic_path
 from eagle3data.core.errors import UserInputError
+from eagle3data.export.rows import chunks_of
 
 
 class VocabError(UserInputError, ValueError):
@@ -45,16 +46,23 @@ class DraftVocab:
                 "distinct_output_tokens": self.distinct_output_tokens, "filled": self.filled}
 
 def output_token_counts(samples: Iterable[Any], target_vocab_size: int) -> np.ndarray:
-    """How often each target id occurs among output tokens (loss_mask 1), as int64 [target_vocab]."""
+    """How often each target id occurs among output tokens (loss_mask 1), as int64 [target_vocab]; a chunk of
+    samples at a time (`rows.chunks_of`)."""
     counts = np.zeros(target_vocab_size, dtype=np.int64)
-    for s in samples:
-        ids = np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)]
-        if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
-            bad = int(ids[(ids < 0) | (ids >= target_vocab_size)][0])
-            raise VocabError(f"sample {s.key}: token id {bad} outside the target vocabulary "
-                              f"(size {target_vocab_size})")
-        counts += np.bincount(ids, minlength=target_vocab_size)
+    for chunk in chunks_of(samples):
+        add_output_counts(counts, chunk)
     return counts
+
+
+def add_output_counts(counts: np.ndarray, samples: list[Any]) -> None:
+    """Add one chunk's output tokens to `counts` (one bincount for the chunk)."""
+    parts = [np.asarray(s.input_ids, dtype=np.int64)[np.asarray(s.loss_mask, dtype=bool)] for s in samples]
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    size = len(counts)
+    if ids.size and (ids.min() < 0 or ids.max() >= size):
+        s, bad = next((s, p[(p < 0) | (p >= size)]) for s, p in zip(samples, parts) if ((p < 0) | (p >= size)).any())
+        raise VocabError(f"sample {s.key}: token id {int(bad[0])} outside the target vocabulary (size {size})")
+    counts += np.bincount(ids, minlength=size)
 
 
 def build_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> DraftVocab:

@@ -38,6 +38,10 @@ class ExportParams(Strict):
                                 "nothing cut. Rows it would truncate or leave with nothing supervised are reported "
                                 "before training (manifest `window`).")
 
+    chunk_rows: int = Field(
+        256, gt=0, description="Rows 05 reads from the mix and writes at a time (every hand-off, the vocabulary's "
+                               "counts, the text trainers' count): what bounds its memory, not the run's size.")
+
     @field_validator("formats")
     @classmethod
     def _known_trainers(cls, v: list[str]) -> list[str]:

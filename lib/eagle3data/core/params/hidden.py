@@ -128,6 +128,10 @@ class HiddenParams(Strict):
     out_dir: str | None = Field(
         None, description="Folder for the mix, shards and index (default `<run>/hidden/`), e.g. a large scratch disk."
     )
+    mix_chunk_rows: int = Field(
+        256, gt=0, description="Records the training mix reads, resolves and writes at a time: its memory is this "
+                               "many samples' ids plus a few small facts per record (key, length, content hash), "
+                               "whatever the run's size.")
     probe_batches: int = Field(2, ge=0, description="Batches timed before the run for the time estimate (0 = none).")
     disk_margin: float = Field(
         1.05, ge=1.0, description="Refuse to start unless free disk >= this x the estimated bytes still to write."

@@ -2,25 +2,28 @@
 
 This is the one selection rule: 04 extracts exactly the mix and 05 exports exactly the mix
 (same keys, same order); every sample left out has exactly one reason from `DROP_REASONS`.
-`build_mix(params)` reads the run through the one reader (`reader.read_run`: the record of a
-key is its latest line, superseded lines are dropped as such; exact ids from 01, rebuilt ids
-for API records from 02), drops real duplicates and sequences longer than the model's
-context, keeps only records that passed 03's audit (unless `hidden.include_failed`), drops
-keeps one turn per conversation when `hidden.train_turns` is `last`, drops
-duplicate sequences, applies per-dataset caps, then per-dataset weights
-(the largest mix whose datasets hold the asked shares of tokens or samples, no sample
-repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample: ids,
-loss mask, provenance) plus `hidden/mix_manifest.json` (counts and tokens per dataset and
-source; every drop and its reason). The result is deterministic: the same records and params give the same mix.
+`build_mix(params)` reads the run as a stream (`core.stream`: the record of a key is its latest
+line, superseded lines are dropped as such; exact ids from 01, rebuilt ids for API records from
+02), drops real duplicates and sequences longer than the model's context, keeps only records
+that passed 03's audit (unless `hidden.include_failed`), keeps one turn per conversation when
+`hidden.train_turns` is `last`, drops duplicate sequences, applies per-dataset caps, then
+per-dataset weights (the largest mix whose datasets hold the asked shares of tokens or samples,
+no sample repeated), shuffles with a seed, and writes `hidden/mix.parquet` (one row per sample:
+ids, loss mask, provenance) plus `hidden/mix_manifest.json` (counts and tokens per dataset and
+source; every drop and its reason). The same records and params give the same mix.
+
+Memory is set by `hidden.mix_chunk_rows`, not by the run: records are resolved a chunk at a time
+and the rule keeps only small facts per sample (`rows.Entry`: key, lengths, a digest of its ids;
+`rows.py` reads the run as a stream). The samples are read back in mix order a chunk at a time
+(`Mix.iter_samples`: 05, `write_mix`), or all at once (`Mix.samples`: small runs, 04's capture).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import orjson
@@ -28,13 +31,12 @@ import orjson
 from eagle3data.core.atomic import atomic_path, write_atomic
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import RunFileError, RunView, Sample, SampleKey, read_run
+from eagle3data.hidden.mix.rows import Entry, RunRows, entry, last_turns, turn_figures
 from eagle3data.rebuild.proof import PROOF_RANK
-
-__all__ = ["DROP_REASONS", "MANIFEST_FILE", "MIX_FILE", "Mix", "MixError", "MixMissing", "build_mix", "hidden_dir",
-           "mix_figures", "read_mix", "source_sequences", "tmp_tag", "turn_figures", "write_mix"]
 
 MIX_FILE = "mix.parquet"
 MANIFEST_FILE = "mix_manifest.json"
+CHUNK = 256  # samples at a time where no setting says (`hidden.mix_chunk_rows`, `export.chunk_rows`)
 
 # Why a journal line is not in the mix (the manifest counts each; one reason per line), in
 # the order the rule applies them.
@@ -56,14 +58,8 @@ DROP_REASONS = {
     "capture_failed": "04 failed it after its retries, accepted by hidden.allow_failed_samples (store/failures.py)",
 }
 
-
 class MixError(RunFileError):
     """An input of the mix is unusable; for a malformed file the message names file, line and field."""
-
-    @classmethod
-    def missing(cls, path: Path, line: int, fields: list[str]) -> MixError:
-        """The mix's wording: the first missing field, in backticks."""
-        return cls(f"{path}:{line}: missing field `{fields[0]}`", path=path, line=line, fields=tuple(fields))
 
 
 class MixMissing(MixError, FileNotFoundError):
@@ -91,22 +87,55 @@ def _chosen(params: RunParams) -> list[str]:
     return [n for n in names if n in params.hidden.datasets]
 
 
-@dataclass
 class Mix:
-    """The training mix: samples in shuffled order, the manifest, and where both were written."""
+    """The training mix in mix order: its samples' facts (`entries`, `keys`), the manifest and the drops; the
+    samples themselves read back `chunk` at a time (`iter_samples`), or all at once into memory (`samples`)."""
 
-    samples: list[Sample]
-    manifest: dict[str, Any]
-    path: Path | None = None
-    dropped: list[dict[str, Any]] = field(default_factory=list)
-    view: RunView | None = field(default=None, repr=False)  # the run as read to build it (not written)
+    def __init__(self, samples: list[Sample] | None = None, manifest: dict[str, Any] | None = None,
+                 path: Path | None = None, dropped: list[dict[str, Any]] | None = None, view: RunView | None = None,
+                 *, entries: list[Entry] | None = None, keys: list[SampleKey] | None = None,
+                 chunks: Callable[[int, bool], Iterator[list[Sample]]] | None = None, chunk: int = CHUNK) -> None:
+        self._samples = None if samples is None else list(samples)
+        self.manifest, self.path, self.view = manifest or {}, path, view
+        self.dropped = dropped if dropped is not None else []
+        self._entries, self._keys, self._chunks, self.chunk = entries, keys, chunks, chunk
+
+    def iter_samples(self, chunk: int | None = None, *, keep_record: bool = False) -> Iterator[list[Sample]]:
+        """The samples in mix order, lists of at most `chunk` (`keep_record`: with their records, where built here)."""
+        n = max(1, int(chunk or self.chunk))
+        if self._samples is not None or self._chunks is None:
+            ss = self._samples or []
+            return (ss[i:i + n] for i in range(0, len(ss), n))
+        return self._chunks(n, keep_record)
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample of the mix, held in memory (small runs, 04's capture); 05 reads `iter_samples`."""
+        if self._samples is None:
+            self._samples = [s for c in self.iter_samples() for s in c]
+        return self._samples
+
+    @property
+    def entries(self) -> list[Entry]:
+        if self._entries is None:
+            self._entries = [entry(s) for c in self.iter_samples() for s in c]
+        return self._entries
+
+    @property
+    def keys(self) -> list[SampleKey]:
+        if self._keys is None:
+            self._keys = [s.key for s in self._samples] if self._samples is not None else [e.key for e in self.entries]
+        return self._keys
+
+    def __len__(self) -> int:
+        return len(self._samples) if self._samples is not None else len(self.keys)
 
     def table(self):
         """Per dataset and source: samples, tokens and trained (loss) tokens that went in."""
         import pandas as pd
 
-        rows = [{"dataset": s.dataset, "source": s.source, "ids_exact": s.ids_exact, "samples": 1,
-                 "tokens": len(s.input_ids), "loss_tokens": int(sum(s.loss_mask))} for s in self.samples]
+        rows = [{"dataset": e.dataset, "source": e.source, "ids_exact": e.ids_exact, "samples": 1,
+                 "tokens": e.tokens, "loss_tokens": e.loss_tokens} for e in self.entries]
         if not rows:
             return pd.DataFrame(columns=["samples", "tokens", "loss_tokens"])
         return pd.DataFrame(rows).groupby(["dataset", "source", "ids_exact"]).sum()
@@ -134,12 +163,12 @@ class Mix:
         return df.groupby(["dataset", "reason"]).size().rename("records").to_frame()
 
 
-def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = None,
-              max_context: int | None = None) -> Mix:
+def build_mix(params: RunParams, *, write: bool = True, max_context: int | None = None,
+              error: type[RunFileError] = MixError) -> Mix:
     """Build the training mix from the run's records, audit verdicts and rebuilt ids; write it under hidden/.
 
     `max_context`: the longest sequence the model takes (`models.context_limit`); longer
-    samples are dropped as `too_long`. None: no limit applied.
+    samples are dropped as `too_long`. None: no limit applied. `error`: what a malformed run file raises (05: its own).
 
     Turn records (`generate.turns: all`: one record, one sample per turn, key `dataset/sample_id#turn`)
     are sequences like any other: each is its prompt ids + its output ids, loss on the output.
@@ -151,75 +180,71 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
     sequence per conversation. Records without a `turn` are not affected.
     """
     hp = params.hidden
-    names = _chosen(params)
-    view = view or read_run(params.run_dir, names, error=MixError)
-    verdicts = view.verdicts
+    names, chunk = _chosen(params), hp.mix_chunk_rows
+    run = RunRows(params.run_dir, names, error)
+    verdicts = run.verdicts
     dropped: list[dict[str, Any]] = []
-    per_dataset: dict[str, list[Sample]] = {}
+    per_dataset: dict[str, list[Entry]] = {}
     seen_ids: dict[bytes, str] = {}
     records_read = 0
-    conv_of: dict[SampleKey, tuple[str, int]] = {}  # a turn sample's conversation (sample_id) and turn
 
-    def drop(rec_or_s: Any, reason: str, **extra: Any) -> None:
-        key = rec_or_s.key if isinstance(rec_or_s, Sample) else SampleKey.of(rec_or_s)
+    def drop(k: Any, reason: str, **extra: Any) -> None:
+        key = k if isinstance(k, SampleKey) else k.key
         dropped.append({"key": str(key), "dataset": key.dataset, "sample_id": key.sample_id, "turn": key.turn,
                         "reason": reason, **extra})
 
     for name in names:
-        lines = view.datasets[name]
-        records_read += len(lines.lines)
-        cands: list[Sample] = []
-        for rec, is_record, dup in zip(lines.lines, lines.is_record, lines.duplicate):
+        records_read += len(run.journals[name])
+        cands: list[Entry] = []
+        for key, finish, is_record, dup, rec in run.lines(name, chunk):
             if not is_record:
-                drop(rec, "superseded")
+                drop(key, "superseded")
                 continue
-            if rec.get("finish_reason") in ("error", "abort"):
-                drop(rec, "error")
+            if finish in ("error", "abort"):
+                drop(key, "error")
                 continue
             if dup:
-                drop(rec, "duplicate_key")
+                drop(key, "duplicate_key")
                 continue
-            s = view.sample(rec)
+            s, rebuilt = run.resolve(rec)
             if s is None:
-                drop(rec, "no_ids")
+                drop(key, "no_ids")
                 continue
             if len(s.input_ids) != len(s.loss_mask) or not any(s.loss_mask):
-                drop(rec, "bad_ids")
+                drop(key, "bad_ids")
                 continue
             if max_context and len(s.input_ids) > max_context:
-                drop(rec, "too_long", tokens=len(s.input_ids), max_context=max_context)
+                drop(key, "too_long", tokens=len(s.input_ids), max_context=max_context)
                 continue
             v = verdicts.get(s.key) if verdicts is not None else None
-            if hp.drop_truncated and (rec.get("finish_reason") == "length" or (v or {}).get("truncated")):
-                drop(rec, "truncated")
+            if hp.drop_truncated and (finish == "length" or (v or {}).get("truncated")):
+                drop(key, "truncated")
                 continue
             if verdicts is not None and not hp.include_failed:
                 if v is None:
-                    drop(rec, "not_audited")
+                    drop(key, "not_audited")
                     continue
                 if v.get("failed"):
-                    drop(rec, "audit_failed", checks=list(v["failed"]))
+                    drop(key, "audit_failed", checks=list(v["failed"]))
                     continue
-            level = (view.rebuilt.get(s.key) or {}).get("proof_level") if rec.get("output_ids") is None else None
+            level = (rebuilt or {}).get("proof_level") if rec.get("output_ids") is None else None
             if level is not None and PROOF_RANK.get(level, -1) < PROOF_RANK[hp.min_proof_level]:
-                drop(rec, "proof_too_low", proof_level=level)
+                drop(key, "proof_too_low", proof_level=level)
                 continue
             turn = rec.get("turn")
-            if turn is not None and turn == turn:
-                conv_of[s.key] = (str(rec["sample_id"]), int(turn))
-            cands.append(s)
+            cands.append(entry(s, (str(rec["sample_id"]), int(turn)) if turn is not None and turn == turn else None,
+                               key))
         if hp.train_turns == "last":
-            cands = _last_turns(cands, conv_of, drop)
+            cands = last_turns(cands, drop)
         # deterministic order before dedupe/caps: journals are in completion order
-        cands.sort(key=lambda s: (_sort_key(s.sample_id), -1 if s.turn is None else s.turn))
-        uniq: list[Sample] = []
-        for s in cands:
-            h = hashlib.blake2b(np.asarray(s.input_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
-            if hp.dedupe and h in seen_ids:
-                drop(s, "duplicate_ids", same_as=seen_ids[h])
+        cands.sort(key=lambda e: (_sort_key(e.key.sample_id), -1 if e.key.turn is None else e.key.turn))
+        uniq: list[Entry] = []
+        for e in cands:
+            if hp.dedupe and e.digest in seen_ids:
+                drop(e, "duplicate_ids", same_as=seen_ids[e.digest])
                 continue
-            seen_ids.setdefault(h, str(s.key))
-            uniq.append(s)
+            seen_ids.setdefault(e.digest, str(e.key))
+            uniq.append(e)
         cap = hp.dataset_caps.get(name)
         if cap is not None and len(uniq) > cap:
             rng = np.random.default_rng([hp.seed, _name_seed(name)])
@@ -227,76 +252,29 @@ def build_mix(params: RunParams, *, write: bool = True, view: RunView | None = N
         per_dataset[name] = uniq
 
     shares = _apply_weights(params, per_dataset, drop) if hp.dataset_weights else None
-    kept = [s for name in per_dataset for s in per_dataset[name]]
-    turns = turn_figures(kept, conv_of)
+    kept = [e for name in per_dataset for e in per_dataset[name]]
+    turns = turn_figures(kept, lambda e: e.conv, lambda es: [s.input_ids for s in run.load([e.key for e in es])], chunk)
     order = np.random.default_rng(hp.seed).permutation(len(kept))
-    samples = [kept[i] for i in order]
-    manifest = _manifest(params, samples, dropped, verdicts is not None, records_read, shares, max_context)
+    entries = [kept[i] for i in order]
+    manifest = _manifest(params, entries, dropped, verdicts is not None, records_read, shares, max_context)
     manifest["turns"] = turns
-    mix = Mix(samples, manifest, dropped=dropped, view=view)
+
+    def chunks(n: int, keep_record: bool) -> Iterator[list[Sample]]:
+        for i in range(0, len(entries), n):
+            yield run.load([e.key for e in entries[i:i + n]], keep_record)
+
+    mix = Mix(None, manifest, dropped=dropped, entries=entries, chunks=chunks, chunk=chunk)
     if write:
         mix.path = write_mix(mix, hidden_dir(params))
     return mix
 
 
-def _last_turns(cands: list[Sample], conv_of: dict[SampleKey, tuple[str, int]], drop: Any) -> list[Sample]:
-    """`hidden.train_turns: last`: per conversation, its highest remaining turn; the others `earlier_turn`."""
-    last: dict[str, int] = {}
-    for s in cands:
-        if s.key in conv_of:
-            conv, t = conv_of[s.key]
-            last[conv] = max(t, last.get(conv, t))
-    out = []
-    for s in cands:
-        if s.key in conv_of and conv_of[s.key][1] < last[conv_of[s.key][0]]:
-            drop(s, "earlier_turn", last_turn=last[conv_of[s.key][0]])
-            continue
-        out.append(s)
-    return out
-
-
-def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two id arrays."""
-    n = min(len(a), len(b))
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if len(neq) else n
-
-
-def turn_figures(samples: list[Sample], conv_of: dict[SampleKey, tuple[str, int]]) -> dict[str, int]:
-    """What per-turn sequences cost in the mix: a turn's sequence starts with (most of) the earlier turns'.
-
-    Over the turn samples among `samples` (`conv_of`: sample key -> (conversation, turn)):
-    `turn_samples`, `conversations`, `tokens` (all their tokens), `repeated_prefix_tokens` (per
-    turn, the longest prefix it shares with an earlier turn's sequence of the same conversation in
-    the mix: positions whose hidden states are stored again, identical, since a state depends only
-    on the tokens up to it), and `last_turn_samples` / `last_turn_tokens` (each conversation's
-    highest turn in the mix: what `hidden.train_turns: last` keeps, before dedupe, caps and weights).
-    """
-    convs: dict[tuple[str, str], list[tuple[int, Sample]]] = {}
-    for s in samples:
-        if s.key in conv_of:
-            conv, t = conv_of[s.key]
-            convs.setdefault((s.dataset, conv), []).append((t, s))
-    tokens = repeated = last_tokens = 0
-    for turns in convs.values():
-        turns.sort(key=lambda x: x[0])
-        arrays = [np.asarray(s.input_ids, dtype=np.int64) for _, s in turns]
-        for j, a in enumerate(arrays):
-            tokens += len(a)
-            repeated += max((_shared_prefix(a, b) for b in arrays[:j]), default=0)
-        last_tokens += len(arrays[-1])
-    return {"turn_samples": sum(len(v) for v in convs.values()), "conversations": len(convs), "tokens": tokens,
-            "repeated_prefix_tokens": repeated, "last_turn_samples": len(convs), "last_turn_tokens": last_tokens}
-
-
-def _size(s: Sample, unit: str) -> int:
+def _size(e: Entry, unit: str) -> int:
     """A sample's amount in `hidden.weight_unit`."""
-    if unit == "samples":
-        return 1
-    return len(s.input_ids) if unit == "tokens" else int(sum(s.loss_mask))
+    return 1 if unit == "samples" else e.tokens if unit == "tokens" else e.loss_tokens
 
 
-def _apply_weights(params: RunParams, per_dataset: dict[str, list[Sample]], drop: Any) -> dict[str, Any]:
+def _apply_weights(params: RunParams, per_dataset: dict[str, list[Entry]], drop: Any) -> dict[str, Any]:
     """Cut each dataset to its share of the largest mix that meets `hidden.dataset_weights`.
 
     With amounts A_i (after caps) and weights w_i, the mix holds T * w_i of dataset i where
@@ -310,7 +288,7 @@ def _apply_weights(params: RunParams, per_dataset: dict[str, list[Sample]], drop
     if missing:
         raise MixError(f"hidden.dataset_weights has no weight for {missing} (datasets in the mix: "
                        f"{list(per_dataset)}): give every one a weight, 0 to leave it out")
-    sizes = {n: [_size(s, unit) for s in ss] for n, ss in per_dataset.items()}
+    sizes = {n: [_size(e, unit) for e in es] for n, es in per_dataset.items()}
     amount = {n: sum(sz) for n, sz in sizes.items()}
     empty = [n for n in per_dataset if weights[n] > 0 and amount[n] == 0]
     if empty:
@@ -318,16 +296,16 @@ def _apply_weights(params: RunParams, per_dataset: dict[str, list[Sample]], drop
                        "the filters and caps: the weighted mix would be empty. Set their weight to 0.")
     scale = min(amount[n] / weights[n] for n in per_dataset if weights[n] > 0)
     got: dict[str, int] = {}
-    for n, ss in per_dataset.items():
+    for n, es in per_dataset.items():
         target = scale * weights[n] * (1 + 1e-9)  # the scarcest dataset's own total must fit
         rng = np.random.default_rng([hp.seed, _name_seed(n), 1])
         keep, used = set(), 0
-        for i in rng.permutation(len(ss)).tolist():
+        for i in rng.permutation(len(es)).tolist():
             if used + sizes[n][i] > target:
                 break
             keep.add(i)
             used += sizes[n][i]
-        per_dataset[n] = _keep_only(ss, keep, "over_weight", drop)
+        per_dataset[n] = _keep_only(es, keep, "over_weight", drop)
         got[n] = used
     total_w = sum(weights[n] for n in per_dataset)
     total = sum(got.values()) or 1
@@ -337,12 +315,12 @@ def _apply_weights(params: RunParams, per_dataset: dict[str, list[Sample]], drop
             "amount": got}
 
 
-def _keep_only(samples: list[Sample], keep: set[int], reason: str, drop: Any) -> list[Sample]:
-    """The samples whose index is in `keep`, in order; the others are dropped with `reason`."""
-    for i, s in enumerate(samples):
+def _keep_only(items: list[Entry], keep: set[int], reason: str, drop: Any) -> list[Entry]:
+    """The items whose index is in `keep`, in order; the others are dropped with `reason`."""
+    for i, e in enumerate(items):
         if i not in keep:
-            drop(s, reason)
-    return [s for i, s in enumerate(samples) if i in keep]
+            drop(e, reason)
+    return [e for i, e in enumerate(items) if i in keep]
 
 
 def _sort_key(sid: str) -> tuple[int, Any]:
@@ -353,44 +331,43 @@ def _name_seed(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
 
 
-def mix_figures(samples: list[Sample], dropped: list[dict[str, Any]]) -> dict[str, Any]:
+def mix_figures(samples: Iterable[Sample | Entry], dropped: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest's counts of samples (per dataset, source) and drops (per reason), its fingerprint (`drop_failed`)."""
     per: dict[str, dict[str, Any]] = {}
+    keys = []
     for s in samples:
-        d = per.setdefault(s.dataset, {"samples": 0, "tokens": 0, "loss_tokens": 0, "by_source": {}})
-        n, nl = len(s.input_ids), int(sum(s.loss_mask))
+        e = s if isinstance(s, Entry) else Entry(s.key, s.source, s.ids_exact, len(s.input_ids), int(sum(s.loss_mask)))
+        keys.append(str(e.key))
+        d = per.setdefault(e.dataset, {"samples": 0, "tokens": 0, "loss_tokens": 0, "by_source": {}})
         d["samples"] += 1
-        d["tokens"] += n
-        d["loss_tokens"] += nl
-        src = d["by_source"].setdefault(s.source, {"samples": 0, "tokens": 0, "ids_exact": 0})
+        d["tokens"] += e.tokens
+        d["loss_tokens"] += e.loss_tokens
+        src = d["by_source"].setdefault(e.source, {"samples": 0, "tokens": 0, "ids_exact": 0})
         src["samples"] += 1
-        src["tokens"] += n
-        src["ids_exact"] += int(s.ids_exact)
+        src["tokens"] += e.tokens
+        src["ids_exact"] += int(e.ids_exact)
     drops: dict[str, dict[str, int]] = {}
     for d in dropped:
         drops.setdefault(d["dataset"], {})[d["reason"]] = drops.get(d["dataset"], {}).get(d["reason"], 0) + 1
-    fingerprint = hashlib.blake2b("\n".join(str(s.key) for s in samples).encode(), digest_size=16).hexdigest()
-    return {"samples": len(samples), "tokens": sum(d["tokens"] for d in per.values()), "fingerprint": fingerprint,
+    fingerprint = hashlib.blake2b("\n".join(keys).encode(), digest_size=16).hexdigest()
+    return {"samples": len(keys), "tokens": sum(d["tokens"] for d in per.values()), "fingerprint": fingerprint,
             "loss_tokens": sum(d["loss_tokens"] for d in per.values()), "datasets": per, "dropped_counts": drops,
             "drop_reasons": {k: DROP_REASONS[k] for k in sorted({d["reason"] for d in dropped})}, "dropped": dropped}
 
 
-def _manifest(params: RunParams, samples: list[Sample], dropped: list[dict[str, Any]], audited: bool,
+def _manifest(params: RunParams, entries: list[Entry], dropped: list[dict[str, Any]], audited: bool,
               records_read: int, shares: dict[str, Any] | None, max_context: int | None) -> dict[str, Any]:
     hp = params.hidden
-    c = mix_figures(samples, dropped)
+    c = mix_figures(entries, dropped)
     return {
         "records_read": records_read,
         **{k: c[k] for k in ("samples", "tokens", "loss_tokens", "fingerprint")},
         "audit_found": audited,
         "audit_applied": audited and not hp.include_failed,
-        "audit_note": (
-            "audit/verdicts.jsonl found: only records that passed every check are in"
-            if audited and not hp.include_failed
-            else "audit/verdicts.jsonl found but hidden.include_failed is on: failed records are in"
-            if audited
-            else "no audit/verdicts.jsonl (03_audit has not run): NO audit filter applied"
-        ),
+        "audit_note": ("audit/verdicts.jsonl found: only records that passed every check are in"
+                       if audited and not hp.include_failed else
+                       "audit/verdicts.jsonl found but hidden.include_failed is on: failed records are in"
+                       if audited else "no audit/verdicts.jsonl (03_audit has not run): NO audit filter applied"),
         "settings": {"seed": hp.seed, "dataset_caps": hp.dataset_caps, "dataset_weights": hp.dataset_weights,
                      "weight_unit": hp.weight_unit, "datasets": _chosen(params),
                      "include_failed": hp.include_failed, "drop_truncated": hp.drop_truncated,
@@ -410,41 +387,46 @@ def tmp_tag() -> str:
 
 
 def write_mix(mix: Mix, out_dir: Path) -> Path:
-    """Write `mix.parquet` and `mix_manifest.json` atomically (safe when several workers write the same mix)."""
+    """Write `mix.parquet` (a chunk of samples at a time) and `mix_manifest.json`, each atomically (safe when several
+    workers write the same mix)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = pa.table({
-        "position": pa.array(range(len(mix.samples)), pa.int64()),
-        "dataset": pa.array([s.dataset for s in mix.samples], pa.string()),
-        "key": pa.array([str(s.key) for s in mix.samples], pa.string()),
-        "sample_id": pa.array([s.sample_id for s in mix.samples], pa.string()),
-        "turn": pa.array([s.turn for s in mix.samples], pa.int32()),
-        "source": pa.array([s.source for s in mix.samples], pa.string()),
-        "ids_exact": pa.array([s.ids_exact for s in mix.samples], pa.bool_()),
-        "input_ids": pa.array([s.input_ids for s in mix.samples], pa.list_(pa.int32())),
-        "loss_mask": pa.array([s.loss_mask for s in mix.samples], pa.list_(pa.uint8())),
-    })
-    tag = tmp_tag()
-    path = out_dir / MIX_FILE
-    with atomic_path(path, tmp_suffix=tag) as tmp:
-        pq.write_table(table, str(tmp))
+    schema = pa.schema([("position", pa.int64()), ("dataset", pa.string()), ("key", pa.string()),
+                        ("sample_id", pa.string()), ("turn", pa.int32()), ("source", pa.string()),
+                        ("ids_exact", pa.bool_()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.uint8()))])
+    tag, path, at = tmp_tag(), out_dir / MIX_FILE, 0
+    with atomic_path(path, tmp_suffix=tag) as tmp, pq.ParquetWriter(str(tmp), schema) as w:
+        for ss in mix.iter_samples():
+            w.write_table(pa.table([list(range(at, at + len(ss))), [s.dataset for s in ss], [str(s.key) for s in ss],
+                                    [s.sample_id for s in ss], [s.turn for s in ss], [s.source for s in ss],
+                                    [s.ids_exact for s in ss], [s.input_ids for s in ss], [s.loss_mask for s in ss]],
+                                   schema=schema))
+            at += len(ss)
     write_atomic(out_dir / MANIFEST_FILE, orjson.dumps(mix.manifest, option=orjson.OPT_INDENT_2), tmp_suffix=tag)
     return path
 
 
-def read_mix(out_dir: str | Path) -> Mix:
-    """Read a written mix back (samples in mix order, and its manifest)."""
+def read_mix(out_dir: str | Path, chunk: int = CHUNK) -> Mix:
+    """A written mix: its keys and manifest now, its samples in mix order from `mix.parquet`, `chunk` at a time."""
     import pyarrow.parquet as pq
 
     out_dir = Path(out_dir)
     path = out_dir / MIX_FILE
     if not path.exists():
         raise MixMissing(f"no training mix at {path}: run 04 first (eagle3data run PARAMS --only 04)")
-    t = pq.read_table(path).to_pydict()
-    turns = t.get("turn") or [None] * len(t["dataset"])
-    samples = [Sample(d, sid, src, ex, None, ids, mask, turn=tn) for d, sid, tn, src, ex, ids, mask in
-               zip(t["dataset"], t["sample_id"], turns, t["source"], t["ids_exact"], t["input_ids"], t["loss_mask"])]
+    names = [c for c in ("dataset", "sample_id", "turn") if c in pq.read_schema(path).names]
+    keys = SampleKey.of_frame(pq.read_table(path, columns=names).to_pydict())
+
+    def chunks(n: int, keep_record: bool) -> Iterator[list[Sample]]:
+        for b in pq.ParquetFile(path).iter_batches(batch_size=n):
+            t = b.to_pydict()
+            turns = t.get("turn") or [None] * len(t["dataset"])
+            yield [Sample(d, sid, src, ex, None, ids, mask, turn=tn) for d, sid, tn, src, ex, ids, mask in
+                   zip(t["dataset"], t["sample_id"], turns, t["source"], t["ids_exact"], t["input_ids"],
+                       t["loss_mask"])]
+
     manifest = orjson.loads((out_dir / MANIFEST_FILE).read_bytes())
-    return Mix(samples, manifest, path, dropped=manifest.get("dropped", []))
+    return Mix(None, manifest, path, dropped=manifest.get("dropped", []), keys=keys, chunks=chunks, chunk=chunk)
