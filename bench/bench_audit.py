@@ -9,6 +9,11 @@
    in one process on one core (the reader parses the id lists as text with numpy and the
    rest of each line with orjson; no columnar copy is written or reused, so every timed
    run pays the full JSONL parse). `parse_seconds` / `checks_seconds` split our time.
+3. The stage (`stage`): `run_audit` on a run at the seeds' shape (2,000 Qwen3 API records of
+   ~2,400 tokens with reasoning, ids from 02's `reconstruct/`, read `audit.chunk_records` at a
+   time), every check included, against the one thing it cannot avoid: `tokenizers`' batch
+   decode->encode of the same outputs (`text.roundtrip`), measured in the same run, both using
+   every core (goal >= 0.5x: `rate_vs_floor`).
 
 Each figure is measured in `BENCH_AUDIT_ROUNDS` (5) paired rounds (both sides in each round);
 the headline is best against best, `speedup_per_round` the spread `make bench` compares with.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -187,6 +193,94 @@ def end_to_end(n_j: int, rounds: int, work: Path) -> dict:
             "goal_checks_over_parse": 0.1, "goal_met": bool(speedup >= 5 and t_checks / t_parse <= 0.1)}
 
 
+def _stage_run(n: int, run_dir: Path, tok) -> tuple[list[list[int]], int]:
+    """A run at the seeds' shape: n Qwen3 API records over 8 datasets (replies of ~2,400 tokens with reasoning, a
+    quarter with a tool, half with a system prompt), `output_ids: null` in the journal and 02's rebuilt ids in
+    `reconstruct/`. Returns the outputs' ids (the floor's input) and the prompt tokens."""
+    from eagle3data.core.profiles import QWEN3
+    from eagle3data.core.spans import output_texts_batch
+    from eagle3data.prompts.load import Prompt, template_prompts
+
+    rng = np.random.default_rng(0)
+    words = [w[1:] for w in tok.get_vocab() if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower()
+             and len(w) > 3][:6000]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look something up.",
+                                                 "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    prompts, bodies = [], []
+    for i in range(n):
+        ds = f"b{i % 8 + 1}_scale"
+        msgs = ([{"role": "system", "content": "You are a careful assistant."}] if i % 2 else []) + [
+            {"role": "user", "content": " ".join(rng.choice(words, int(rng.integers(20, 200)))) + f" (case {i})"}]
+        prompts.append(Prompt(ds, i, msgs, tools if i % 4 == 0 else None))
+        k = int(np.exp(rng.uniform(np.log(600), np.log(6000))))  # ~2,300 words on average: ~2,400 tokens
+        r = int(k * 0.7)
+        bodies.append(("\n" + " ".join(rng.choice(words, r)) + "\n", "\n\n" + " ".join(rng.choice(words, k - r))))
+    prompt_ids = template_prompts(tok, prompts, QWEN3)
+    texts = [b for pair in bodies for b in pair]
+    enc = tok(texts, add_special_tokens=False)["input_ids"]
+    outs = [[QWEN3.reasoning_open.id] + enc[2 * j] + [QWEN3.reasoning_close.id] + enc[2 * j + 1] + [QWEN3.end_of_turn.id]
+            for j in range(n)]
+    fields = output_texts_batch(outs, QWEN3, tok)
+    journals: dict[str, list[bytes]] = {}
+    rebuilt: dict[str, list[bytes]] = {}
+    for p, pid, out, f in zip(prompts, prompt_ids, outs, fields):
+        journals.setdefault(p.dataset, []).append(orjson.dumps({
+            "dataset": p.dataset, "sample_id": p.sample_id, "source": "api", "model": "qwen3-scale", "profile": "qwen3",
+            "messages": p.messages, "tools": p.tools, "prompt_ids": pid, "output_ids": None, "ids_exact": False,
+            "reasoning": f.reasoning, "content": f.content, "tool_calls": f.tool_calls, "finish_reason": "stop",
+            "usage": {"prompt_tokens": len(pid), "completion_tokens": len(out)}, "provider": "Loopback"}) + b"\n")
+        rebuilt.setdefault(p.dataset, []).append(orjson.dumps({
+            "dataset": p.dataset, "sample_id": p.sample_id, "source": "api", "provider": "Loopback", "ids_exact": False,
+            "proof_level": "text", "prompt_ids": pid, "output_ids": out, "input_ids": pid + out,
+            "loss_mask": [0] * len(pid) + [1] * len(out), "finish_reason": "stop"}) + b"\n")
+    for sub, files in (("records", journals), ("reconstruct", rebuilt)):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        for ds, lines in files.items():
+            (run_dir / sub / f"{ds}.jsonl").write_bytes(b"".join(lines))
+    return outs, sum(map(len, prompt_ids))
+
+
+def stage(n: int, rounds: int, work: Path) -> dict:
+    """`run_audit` on a run at the seeds' shape against `tokenizers`' batch decode->encode of the same outputs (the
+    floor: what `text.roundtrip` alone must do), both in each round, on all cores (the tokenizer's threads)."""
+    from eagle3data.core.params import load_params
+    from qwen3_vocab import load_qwen3_tokenizer  # the tests' real Qwen3 vocabulary (tests/ is on the path)
+
+    tok = load_qwen3_tokenizer()
+    bt = tok.backend_tokenizer
+    run_dir = work / "stage"
+    t0 = time.perf_counter()
+    outs, prompt_tokens = _stage_run(n, run_dir, tok)
+    tokens = sum(map(len, outs))
+    print(f"stage: {n} Qwen3 API records, {tokens / 1e6:.1f}M output tokens (built in {time.perf_counter() - t0:.1f} s)")
+    params = load_params(REPO / "params" / "ci.yaml", {"output_root": str(work), "run_name": "stage", "profile": "qwen3"})
+    chunk = params.audit.chunk_records
+
+    def floor() -> None:
+        for a in range(0, len(outs), chunk):
+            bt.encode_batch(bt.decode_batch(outs[a : a + chunk], skip_special_tokens=False), add_special_tokens=False)
+
+    res = audit_run.run_audit(params, progress=False, tokenizer=tok)
+    s = res.summary()
+    assert s["records"] == n and s["output_tokens"] == tokens and s["checks"]["text.roundtrip"]["applicable"] == n
+    t_audit, t_floor = [], []
+    for _ in range(rounds):  # paired rounds: both sides see the same load
+        t_audit.append(best_of(lambda: audit_run.run_audit(params, progress=False, tokenizer=tok), 1))
+        t_floor.append(best_of(floor, 1))
+    shutil.rmtree(run_dir)
+    ratio = min(t_floor) / min(t_audit)
+    per_round = [round(f / a, 3) for a, f in zip(t_audit, t_floor)]
+    print(f"  run_audit {tokens / min(t_audit) / 1e3:.0f}k tok/s, batch decode->encode {tokens / min(t_floor) / 1e3:.0f}k "
+          f"tok/s ({ratio:.2f}x; rounds {per_round})")
+    return {"what": "run_audit (every check, the tokenizer's included, the report's facts) against tokenizers' "
+                    "decode_batch -> encode_batch of the same outputs, chunk_records at a time",
+            "records": n, "output_tokens": tokens, "prompt_tokens": prompt_tokens, "chunk_records": chunk,
+            "audit_seconds": round(min(t_audit), 2), "floor_seconds": round(min(t_floor), 2),
+            "audit_tokens_per_s": round(tokens / min(t_audit)), "floor_tokens_per_s": round(tokens / min(t_floor)),
+            "rate_vs_floor": round(ratio, 3), "rate_vs_floor_per_round": per_round, "goal_rate_vs_floor": 0.5,
+            "goal_met": bool(ratio >= 0.5)}
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("BENCH_OUT", REPO / "outputs" / "bench"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +295,9 @@ def main() -> None:
         print(f"PLANTED: {figures['planted_slowdown']}")
     figures["in_memory"] = in_memory(int(os.environ.get("BENCH_AUDIT_RECORDS", 30000)), rounds)
     figures["end_to_end_jsonl"] = end_to_end(int(os.environ.get("BENCH_AUDIT_JOURNAL_RECORDS", 2500)), rounds, work)
-    work.rmdir()
+    figures["stage"] = stage(int(os.environ.get("BENCH_AUDIT_STAGE_RECORDS", 2000)),
+                             int(os.environ.get("BENCH_AUDIT_STAGE_ROUNDS", 3)), work)
+    shutil.rmtree(work)
     figures["load_avg_1_5_15_at_end"] = [round(x, 2) for x in os.getloadavg()]
     (out_dir / "audit.json").write_text(json.dumps(figures, indent=2))
     print(f"wrote {out_dir / 'audit.json'}")

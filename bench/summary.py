@@ -79,6 +79,11 @@ SPEC: list[Figure] = [
     Figure("audit.checks_over_parse", "03 end to end: the checks' time over the parse's (`bench_audit.py`)",
            "audit.json", "end_to_end_jsonl.checks_over_parse", "`read_journal` of the same file", 0.1,
            better="lower", load="load_avg_1_5_15_at_start.0"),
+    Figure("audit.stage", "03 `run_audit` on 2,000 Qwen3 API records of ~2,400 tokens, every check, chunked "
+           "(`bench_audit.py`)", "audit.json", "stage.rate_vs_floor",
+           "`tokenizers`' batch decode→encode of the same outputs, in the same run", 0.5,
+           rounds="stage.rate_vs_floor_per_round", value="stage.audit_tokens_per_s", value_unit="tokens/s",
+           load="load_avg_1_5_15_at_start.0"),
     Figure("local_generate", "01 local generation, batch 8 (`bench_local_generate.py`)", "local_generate.json",
            "ratio", "sequential `model.generate` per prompt", 3.0, load="load_average_1m.before"),
     Figure("generate.tls_throughput", "01 HTTP engine, 2,000 in flight over TLS, 30 waves (`bench_generate.py`)",

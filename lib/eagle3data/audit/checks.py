@@ -2,8 +2,11 @@
 
 The id checks find every special token of the profile in one pass over the flat output
 array and reason on their positions, so there is no Python loop per record; only the
-tokenizer checks (re-templating, decode->encode roundtrip, text fields against the one split
-of the ids) loop. Statuses per record and check: pass, fail, n/a (the check does not apply
+tokenizer checks (`textchecks`: re-templating, decode->encode roundtrip, text fields against the
+one split of the ids) loop. The checks across records (a key completed twice, an output another
+prompt's record has too, a turn's history against its conversation's replies) decide on small
+per-record facts (`record_hashes`, `on_policy_facts`), so a run read in chunks lets each chunk's
+ids go. Statuses per record and check: pass, fail, n/a (the check does not apply
 to this record or profile), not run (the check needs a tokenizer that was not given) and flagged
 (a check named in `audit.flag_only` did not hold: counted and shown, the record is kept).
 """
@@ -11,20 +14,20 @@ to this record or profile), not run (the check needs a tokenizer that was not gi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import orjson
 import pandas as pd
+import xxhash
 
 from eagle3data.audit.idtable import IdTable
 from eagle3data.core.profiles import Profile
 from eagle3data.core.params import ReconstructParams
 from eagle3data.core.reader import COMPLETED, SampleKey, supersede_codes
-from eagle3data.core.spans import output_texts
 from eagle3data.core.stats import calibrated_offset
 from eagle3data.generate.turns import assistant_message
-from eagle3data.prompts.load import Prompt, template_prompt
 
 PASS, FAIL, NA, NOT_RUN, FLAG = 0, 1, 2, 3, 4
 STATUS_NAMES = {PASS: "pass", FAIL: "fail", NA: "n/a", NOT_RUN: "not run", FLAG: "flagged"}
@@ -377,12 +380,52 @@ def suffix_check(table: IdTable, suffix: Sequence[int]) -> np.ndarray:
     return s
 
 
-def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
+def _hashes(flat: np.ndarray, off: np.ndarray, rows: list[int], seed: int) -> list[bytes]:
+    """XXH3-128 of each row's ids (their bytes as stored: one table's, or one reader's, are of one width)."""
+    mv = memoryview(np.ascontiguousarray(flat)).cast("B")
+    w, o = flat.itemsize, off.tolist()
+    return [xxhash.xxh3_128_digest(mv[o[i] * w : o[i + 1] * w], seed) for i in rows]
+
+
+def record_hashes(table: IdTable, rows: np.ndarray | None = None, only: np.ndarray | None = None) -> np.ndarray:
+    """Per record: a 128-bit hash of its output ids and one of its prompt, as (n, 4) uint64.
+
+    Columns 0-1: XXH3-128 of the output ids (zeros without output); 2-3: of the prompt ids, else (another seed)
+    of the record's messages as JSON, else of its row (`rows`: the rows' numbers in the whole run), so two
+    records without prompt ids or messages never share a prompt. What `dataset.distinct_outputs` needs of every
+    record, 32 bytes whatever its length: the ids themselves can be let go. `only`: hash these rows (others 0)."""
+    n = len(table)
+    rows = np.arange(n) if rows is None else rows
+    idx = np.arange(n) if only is None else np.asarray(only, np.int64)
+    k = len(idx)
+    out, prompt = [bytes(16)] * k, [bytes(16)] * k
+    at = np.flatnonzero(table.has_output[idx])
+    for j, v in zip(at.tolist(), _hashes(table.output, table.output_off, idx[at].tolist(), 0)):
+        out[j] = v
+    at = np.flatnonzero(table.has_prompt[idx])
+    for j, v in zip(at.tolist(), _hashes(table.prompt, table.prompt_off, idx[at].tolist(), 1)):
+        prompt[j] = v
+    for j in np.flatnonzero(~table.has_prompt[idx]).tolist():
+        i = int(idx[j])
+        prompt[j] = (xxhash.xxh3_128_digest(orjson.dumps(table.messages[i]), 2) if table.messages
+                     else xxhash.xxh3_128_digest(b"%d" % int(rows[i]), 3))
+    got = np.frombuffer(b"".join(chain.from_iterable(zip(out, prompt))), np.uint64).reshape(k, 4)
+    if only is None:
+        return got.copy()
+    res = np.zeros((n, 4), np.uint64)
+    res[idx] = got
+    return res
+
+
+def cross_record_checks(table: Any, hashes: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Two completed records for one key (the supersede rule, `reader.supersede_codes`); identical outputs for different prompts.
 
-    `table` holds one row per key (`runtable.split_superseded`); its meta column `duplicate`
+    `table` holds one row per key (`runtable.supersede_lines`); its meta column `duplicate`
     marks the records of keys with another completed line. A table read without the rule
-    (every journal line) gets it applied here, on the lines as they are.
+    (every journal line) gets it applied here, on the lines as they are. Outputs are compared by
+    `record_hashes`: given for a table whose ids were let go; else computed from its ids for the records
+    that share a cheap signature. Records whose outputs hash alike, and whose prompts do not all hash
+    alike, fail.
     """
     n = len(table)
     meta = table.meta
@@ -393,97 +436,32 @@ def cross_record_checks(table: IdTable) -> dict[str, np.ndarray]:
         is_record, d = supersede_codes(SampleKey.codes_of_frame(meta), done)
         dup = d | (~is_record & done)
     st = {"dataset.unique_sample_id": np.where(dup, FAIL, PASS).astype(np.int8)}
-
-    L = table.output_len
     distinct = np.zeros(n, np.int8)
-    usable = table.has_output & (L > 0)
+    usable = table.has_output & (table.output_len > 0)
     distinct[~usable] = NA
     if usable.sum() > 1:
-        ids, off = table.output, table.output_off
-        # candidates share length and the ids at 9 spread positions (O(records), not O(tokens));
-        # only they are compared in full below
         rows = np.flatnonzero(usable)
-        start, span = off[:-1][rows], L[rows] - 1
-        with np.errstate(over="ignore"):  # a hash of the length and 9 ids: equal rows hash alike; a collision
-            sig = L[rows].astype(np.uint64)  # only adds a candidate, compared in full below
-            for k in range(9):
-                sig = sig * np.uint64(0x9E3779B97F4A7C15) + ids[start + span * k // 8].astype(np.uint64)
-        cand = rows[pd.Series(sig).duplicated(keep=False).to_numpy()]
-        if len(cand):
-            oh = [hash(table.output_ids(i).astype(np.int64).tobytes()) for i in cand]
-            ph = [hash(table.prompt_ids(i).astype(np.int64).tobytes()) if table.has_prompt[i]
-                  else hash(orjson.dumps(table.messages[i]) if table.messages else i) for i in cand]
-            g = pd.DataFrame({"rec": cand, "out": oh, "prompt": ph})
-            nprompts = g.groupby("out")["prompt"].transform("nunique")
-            distinct[g.loc[nprompts > 1, "rec"].to_numpy()] = FAIL
+        if hashes is None:  # the ids are here: only records that share a signature (length, 9 spread ids) are hashed
+            ids, off, L = table.output, table.output_off, table.output_len
+            start, span = off[:-1][rows], L[rows] - 1
+            with np.errstate(over="ignore"):  # equal rows sign alike; a collision only adds a candidate
+                sig = L[rows].astype(np.uint64)
+                for k in range(9):
+                    sig = sig * np.uint64(0x9E3779B97F4A7C15) + ids[start + span * k // 8].astype(np.uint64)
+            rows = rows[pd.Series(sig).duplicated(keep=False).to_numpy()]
+            hashes = record_hashes(table, only=rows)
+        g = pd.DataFrame(hashes[rows], columns=["o1", "o2", "p1", "p2"]).assign(rec=rows)
+        g = g[g.duplicated(["o1", "o2"], keep=False)]  # outputs another record has too
+        if len(g):
+            prompts = g.drop_duplicates(["o1", "o2", "p1", "p2"]).groupby(["o1", "o2"]).size()
+            shared = prompts[prompts > 1].index
+            bad = pd.MultiIndex.from_frame(g[["o1", "o2"]]).isin(shared)
+            distinct[g["rec"].to_numpy()[bad]] = FAIL
     st["dataset.distinct_outputs"] = distinct
     return st
 
 
-# --------------------------------------------------------------------------- tokenizer checks
-
-
-def _norm(s: str) -> str:
-    return " ".join(s.split())
-
-
-def tokenizer_checks(table: IdTable, profile: Profile, tokenizer: Any, pos: Positions, *,
-                     roundtrip: bool = True, progress: bool = False) -> dict[str, np.ndarray]:
-    """Checks that need the tokenizer: prompt text, re-templating, roundtrip, text fields."""
-    n = len(table)
-    st = {k: np.full(n, NA, np.int8) for k in
-          ("prompt.tools_present", "prompt.system_present", "prompt.retemplate", "text.fields_match")}
-    st["text.roundtrip"] = np.full(n, NA if roundtrip else NOT_RUN, np.int8)
-    fr = table.meta["finish_reason"].to_numpy(dtype=object)
-    usable_out = table.has_output & ((fr == "stop") | (fr == "length"))
-    msgs_all = table.messages or [None] * n
-    tools_all = table.tools or [None] * n
-    rows: Iterable[int] = range(n)
-    if progress:
-        from tqdm.auto import tqdm
-
-        rows = tqdm(rows, desc="tokenizer checks", unit="record")
-    for i in rows:
-        msgs, tools = msgs_all[i], tools_all[i]
-        if table.has_prompt[i]:
-            pids = [int(t) for t in table.prompt_ids(i)]
-            text = None
-            if tools:
-                text = text or _norm(tokenizer.decode(pids, skip_special_tokens=False))
-                names = [(t.get("function") or t).get("name") for t in tools if isinstance(t, dict)]
-                st["prompt.tools_present"][i] = PASS if all(nm and nm in text for nm in names) else FAIL
-            sys_msgs = [m for m in (msgs or []) if isinstance(m, dict) and m.get("role") == "system"
-                        and str(m.get("content") or "").strip()]
-            if sys_msgs:
-                text = text or _norm(tokenizer.decode(pids, skip_special_tokens=False))
-                want = _norm(str(sys_msgs[0]["content"]))[:200]
-                st["prompt.system_present"][i] = PASS if want in text else FAIL
-            if msgs:
-                try:
-                    again = template_prompt(tokenizer, Prompt(str(table.meta.at[i, "dataset"]),
-                                                              table.meta.at[i, "sample_id"], msgs, tools), profile)
-                    st["prompt.retemplate"][i] = PASS if again == pids else FAIL
-                except Exception:  # a template that cannot render these messages is a failure too
-                    st["prompt.retemplate"][i] = FAIL
-        if not usable_out[i]:
-            continue
-        oids = table.output_ids(i)
-        if roundtrip:
-            lst = [int(t) for t in oids]
-            again = tokenizer.encode(tokenizer.decode(lst, skip_special_tokens=False), add_special_tokens=False)
-            st["text.roundtrip"][i] = PASS if list(again) == lst else FAIL
-        reasoning_f = table.reasoning[i] if table.reasoning else None
-        content_f = table.content[i] if table.content else None
-        if reasoning_f is None and content_f is None:
-            continue
-        text = output_texts(oids, profile, tokenizer)  # the one split, as the exact backends write it
-        ok = True
-        if reasoning_f is not None and text.reasoning is not None:
-            ok &= _norm(text.reasoning) == _norm(reasoning_f)
-        if content_f is not None:
-            ok &= _norm(text.content) == _norm(content_f)
-        st["text.fields_match"][i] = PASS if ok else FAIL
-    return st
+# --------------------------------------------------------------------------- cross-record facts (tokenizer checks: textchecks.py)
 
 
 def _reply_view(msg: dict[str, Any]) -> tuple[Any, ...]:
@@ -529,44 +507,74 @@ def billed_prompt_checks(table: IdTable, calibration: dict[str, Any] | None = No
     return {"prompt.billed_count": st}, out
 
 
-def on_policy_checks(table: IdTable) -> dict[str, np.ndarray]:
-    """`prompt.on_policy` per record: a turn record's history (its `messages`) holds, as its assistant
-    messages in order, exactly the replies of the conversation's turns before it, as their journaled
-    records say (`turns.assistant_message` of their reasoning/content/tool_calls; 03's
-    `text.fields_match` ties those to the ids). A history with the dataset's own reply, a reply of
-    another turn, or an earlier turn without a completed record fails. n/a for records without `turn`."""
+def _view_hash(view: tuple[Any, ...]) -> int:
+    """128-bit hash of a `_reply_view` (sorted JSON; its repr where a value is no JSON)."""
+    try:
+        data = orjson.dumps(view, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        data = repr(view).encode()
+    return xxhash.xxh3_128_intdigest(data)
+
+
+def on_policy_facts(table: IdTable) -> list[tuple[int | None, list[int]] | None]:
+    """Per row, what `prompt.on_policy` needs of it, without its texts: for a turn record (a row with `turn`) the
+    hash of the reply it puts into later turns' history (`turns.assistant_message`; None when its fields make
+    none) and the hashes of its own history's assistant messages, in order; None for other rows, and for every
+    row of a table read without its messages (the check is then not run)."""
     n = len(table)
-    st = np.full(n, NA, np.int8)
     m = table.meta
-    if n == 0 or "turn" not in m or not m["turn"].notna().any():
-        return {"prompt.on_policy": st}
-    if table.messages is None:
-        return {"prompt.on_policy": np.where(m["turn"].notna().to_numpy(), NOT_RUN, NA).astype(np.int8)}
-    fr = m["finish_reason"].tolist()
-    conv: dict[tuple[str, str], dict[int, int]] = {}
-    for i, (d, sid, t) in enumerate(zip(m["dataset"], m["sample_id"], m["turn"])):
-        if t is not None and t == t:
-            conv.setdefault((str(d), str(sid)), {})[int(t)] = i
+    if n == 0 or "turn" not in m or table.messages is None:
+        return [None] * n
 
     def field(name: str, i: int) -> Any:
         col = getattr(table, name)
         return col[i] if col is not None else None
 
-    views: dict[int, tuple[Any, ...]] = {}
+    out: list[tuple[int | None, list[int]] | None] = []
+    for i, t in enumerate(m["turn"].tolist()):
+        if t is None or t != t:
+            out.append(None)
+            continue
+        try:
+            own: int | None = _view_hash(_reply_view(assistant_message(
+                {"reasoning": field("reasoning", i), "content": field("content", i), "tool_calls": field("tool_calls", i)})))
+        except Exception:  # noqa: BLE001 - fields no reply can be made of: no history matches it
+            own = None
+        hist = [_view_hash(_reply_view(x)) for x in table.messages[i] or []
+                if isinstance(x, dict) and x.get("role") == "assistant"]
+        out.append((own, hist))
+    return out
+
+
+def on_policy_checks(table: Any, facts: list[tuple[int | None, list[int]] | None] | None = None
+                     ) -> dict[str, np.ndarray]:
+    """`prompt.on_policy` per record: a turn record's history (its `messages`) holds, as its assistant
+    messages in order, exactly the replies of the conversation's turns before it, as their journaled
+    records say (`turns.assistant_message` of their reasoning/content/tool_calls; 03's
+    `text.fields_match` ties those to the ids). A history with the dataset's own reply, a reply of
+    another turn, or an earlier turn without a completed record fails. n/a for records without `turn`.
+    Replies are compared by `on_policy_facts` (given for a table whose texts were let go)."""
+    n = len(table)
+    st = np.full(n, NA, np.int8)
+    m = table.meta
+    if n == 0 or "turn" not in m or not m["turn"].notna().any():
+        return {"prompt.on_policy": st}
+    facts = on_policy_facts(table) if facts is None else facts
+    fr = m["finish_reason"].tolist()
+    conv: dict[tuple[str, str], dict[int, int]] = {}
+    for i, (d, sid, t) in enumerate(zip(m["dataset"], m["sample_id"], m["turn"])):
+        if t is not None and t == t:
+            conv.setdefault((str(d), str(sid)), {})[int(t)] = i
     for turns in conv.values():
         for t, i in turns.items():
-            hist = [x for x in table.messages[i] or [] if isinstance(x, dict) and x.get("role") == "assistant"]
+            if facts[i] is None:  # read without its messages
+                st[i] = NOT_RUN
+                continue
+            hist = facts[i][1]
             ok = len(hist) == t
             for k in range(t) if ok else ():
                 j = turns.get(k)
-                if j is None or fr[j] != "stop":
-                    ok = False
-                    break
-                if j not in views:
-                    views[j] = _reply_view(assistant_message({"reasoning": field("reasoning", j),
-                                                              "content": field("content", j),
-                                                              "tool_calls": field("tool_calls", j)}))
-                if _reply_view(hist[k]) != views[j]:
+                if j is None or fr[j] != "stop" or facts[j] is None or facts[j][0] != hist[k]:
                     ok = False
                     break
             st[i] = PASS if ok else FAIL

@@ -127,9 +127,9 @@ def _split_torn(data: bytes) -> tuple[bytes, int]:
     return data[:end], len(data) - end
 
 
-def _read_orjson(path: Path, data: bytes, source_fields: bool) -> IdTable:
+def _read_orjson(path: Path, data: bytes, source_fields: bool, first_line: int = 0) -> IdTable:
     objs, lines, bad = [], [], []
-    for lineno, line in enumerate(data.splitlines(), start=1):
+    for lineno, line in enumerate(data.splitlines(), start=first_line + 1):
         if not line.strip():
             continue
         try:
@@ -298,8 +298,9 @@ def _line_object(text: bytes | memoryview, where: str) -> tuple[dict | None, str
     return obj, None
 
 
-def _read_fast(path: Path, data: bytes, source_fields: bool) -> IdTable:
-    """JSONL -> IdTable: id lists parsed as text by numpy, the rest of each line by orjson (see above)."""
+def _read_fast(path: Path, data: bytes, source_fields: bool, first_line: int = 0) -> IdTable:
+    """JSONL -> IdTable: id lists parsed as text by numpy, the rest of each line by orjson (see above); lines
+    numbered from `first_line` + 1 (`data` may be a run of whole lines from inside a journal)."""
     mv = memoryview(data)
     objs: list[dict | None] = []
     linenos: list[int] = []
@@ -311,7 +312,7 @@ def _read_fast(path: Path, data: bytes, source_fields: bool) -> IdTable:
     # top-level key resolves to it (not a nested or duplicate key of the same name)
     nonce = secrets.token_hex(8)
     hole, hole_json = "\x00" + nonce, b'"\\u0000' + nonce.encode() + b'"'
-    pos, lineno, size = 0, 0, len(data)
+    pos, lineno, size = 0, first_line, len(data)
     while pos < size:
         end = data.find(b"\n", pos)
         end = size if end < 0 else end
@@ -447,9 +448,16 @@ def read_journal(path: str | Path, *, source_fields: bool = False) -> IdTable:
     if path.suffix == ".parquet":
         return _read_parquet(path, source_fields)
     data, torn = _split_torn(path.read_bytes())
-    # a lone carriage return splits lines for the line reader; keep its numbering there
-    t = _read_orjson(path, data, source_fields) if b"\r" in data else _read_fast(path, data, source_fields)
+    t = read_lines(path, data, source_fields=source_fields)
     t.torn_tail_bytes = torn
+    return t
+
+
+def read_lines(path: str | Path, data: bytes, *, first_line: int = 0, source_fields: bool = True) -> IdTable:
+    """Whole lines of the journal `path` (all of it, or a run of its lines from line `first_line` + 1 on) as an
+    IdTable: the fast reader, or the line reader where a lone carriage return splits lines (its numbering kept)."""
+    path = Path(path)
+    t = (_read_orjson if b"\r" in data else _read_fast)(path, data, source_fields, first_line)
     t.meta["file"] = str(path)
     return t
 

@@ -26,7 +26,9 @@ import numpy as np
 
 from eagle3data.audit.run import AuditResult
 from eagle3data.audit.checks import CHECKS, FAIL, FLAG, NA, NOT_RUN, PASS, STATUS_NAMES
-from eagle3data.core.reader import SampleKey, read_rebuilt, read_run
+from eagle3data.audit.rebuilt import RebuiltIds
+from eagle3data.audit.streamed import RecordFacts
+from eagle3data.core.reader import DatasetLines, RunView, SampleKey, read_rebuilt, read_run
 from eagle3data.generate.turns import conversation_turns
 
 _STATUS_STYLE = {PASS: "color:#1a7f37", FAIL: "color:#fff;background:#cf222e;font-weight:bold",
@@ -222,17 +224,20 @@ def shown_record_path(path: Any) -> str:
     return p.name
 
 
-def _count_html(m: Any) -> str:
-    """For a record whose ids 02 rebuilt from text: rebuilt length against the billed completion_tokens."""
+def _count_html(m: Any, rebuilt: RebuiltIds | None = None) -> str:
+    """For a record whose ids 02 rebuilt from text: rebuilt length against the billed completion_tokens
+    (`rebuilt`: the run's index of 02's lines, when the audit read the run in chunks; else the file is read)."""
     if str(m.get("ids_from")) != "reconstruct" or not m.get("file"):
         return ""
 
     try:
-        run_dir = Path(str(m["file"])).parent.parent
-        reb = read_rebuilt(run_dir, [str(m["dataset"])])
+        if rebuilt is not None:
+            reb: Any = rebuilt.wholes()
+        else:
+            reb = read_rebuilt(Path(str(m["file"])).parent.parent, [str(m["dataset"])])
+        r = reb.get(SampleKey.of(m))
     except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read this file
         return f"<p><i>reconstruct/{_esc(str(m['dataset']))}.jsonl not readable here: {_esc(str(e))}</i></p>"
-    r = reb.get(SampleKey.of(m))
     if r is None:
         return ""
     billed, n = r.get("billed_tokens"), r.get("rebuilt_tokens", len(r.get("output_ids") or []))
@@ -256,12 +261,26 @@ def _journal(result: AuditResult, i: int, views: dict[Any, Any]) -> tuple[Any, s
     if not f or (isinstance(f, float) and np.isnan(f)):
         return None, "the audit table names no journal for this record"
     run_dir, ds = Path(str(f)).parent.parent, str(m["dataset"])
-    if (run_dir, ds) not in views:
-        try:
-            views[run_dir, ds] = read_run(run_dir, [ds], rebuilt=False, verdicts=False)
-        except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read it
-            views[run_dir, ds] = e
-    v = views[run_dir, ds]
+    if isinstance(result.table, RecordFacts):  # the run read in chunks: this conversation's records, read back alone
+        sid = str(m["sample_id"])
+        if (run_dir, ds, sid) not in views:
+            meta = result.meta
+            rows = np.flatnonzero(((meta["dataset"].astype(str) == ds) & (meta["sample_id"].astype(str) == sid)
+                                   ).to_numpy() & ~np.isnan(_turns_of(meta)))
+            try:
+                lines = [result.table.line(int(j)) for j in rows]
+                views[run_dir, ds, sid] = RunView(run_dir, {ds: DatasetLines(ds, Path(str(f)), lines, [True] * len(lines),
+                                                                            [False] * len(lines))}, {}, None)
+            except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read it
+                views[run_dir, ds, sid] = e
+        v = views[run_dir, ds, sid]
+    else:
+        if (run_dir, ds) not in views:
+            try:
+                views[run_dir, ds] = read_run(run_dir, [ds], rebuilt=False, verdicts=False)
+            except Exception as e:  # noqa: BLE001 - the inspector shows what it can; the audit already read it
+                views[run_dir, ds] = e
+        v = views[run_dir, ds]
     return (None, f"records/{ds}.jsonl not readable here: {v}") if isinstance(v, Exception) else (v, "")
 
 
@@ -449,7 +468,7 @@ def _inspect_row(result: AuditResult, i: int, note: str, found: bool, tokenizer:
         ids_l = [int(x) for x in oids]
         again = tokenizer.encode(tokenizer.decode(ids_l, skip_special_tokens=False), add_special_tokens=False)
         div_at = first_divergence(ids_l, again)
-    count_html = _count_html(m)
+    count_html = _count_html(m, t.rebuilt if isinstance(t, RecordFacts) else None)
     # special-token positions
     ev = result.positions.events
     ev = ev[ev["record"] == i]

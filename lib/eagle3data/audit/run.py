@@ -1,11 +1,13 @@
 """Stage 03: audit every record of a run, with honest numbers.
 
-The run's journals are read into flat id arrays (`idtable.py`); one row per sample is kept by
-the one supersede rule (`reader.supersede_rule`: a retried error is *superseded*, shown as
-such, never counted as a failure or a duplicate); every check of `checks.py` runs on those
-rows; a record's verdict lists the names of the checks it failed and of those it was flagged by
-(`audit.flag_only`: counted and shown, the record kept in the mix). `finish_reason: length` is
-reported as truncated, never as broken. Bounds on failure rates come from `stats.py`.
+The run's journals are read `audit.chunk_records` lines at a time into flat id arrays
+(`idtable.py`, `streamed.py`: memory set by the chunk, not by the run); every check of
+`checks.py` and `textchecks.py` runs on each chunk, whose ids and texts are then let go; one row
+per sample is kept by the one supersede rule (`reader.supersede_rule`: a retried error is
+*superseded*, shown as such, never counted as a failure or a duplicate); a record's verdict lists
+the names of the checks it failed and of those it was flagged by (`audit.flag_only`: counted and
+shown, the record kept in the mix). `finish_reason: length` is reported as truncated, never as
+broken. Bounds on failure rates come from `stats.py`.
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ import numpy as np
 import orjson
 import pandas as pd
 
-from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, FLAG, NA, NOT_RUN, PASS, Positions, cross_record_checks, generation_suffix,
-                     billed_prompt_checks, iter_checks, on_policy_checks, structural_checks, suffix_check,
-                     tokenizer_checks)
+from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, FLAG, NA, NOT_RUN, PASS, Positions, cross_record_checks,
+                                     generation_suffix, billed_prompt_checks, iter_checks, on_policy_checks,
+                                     structural_checks, suffix_check)
 from eagle3data.audit.idtable import AuditInputError, IdTable, read_journal
-from eagle3data.audit.runtable import concat_tables, load_run, merge_reconstruct, split_superseded
+from eagle3data.audit.runtable import concat_tables, empty_table, merge_reconstruct, take_records
+from eagle3data.audit.rebuilt import RebuiltIds
+from eagle3data.audit.streamed import LineAudit, RecordFacts, journal_chunks
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.profiles import Profile, get_profile
-from eagle3data.core.reader import COMPLETED
 from eagle3data.core.stats import upper95
 from eagle3data.core.models import load_tokenizer, tokenizer_for
 from eagle3data.core.params import AuditParams
+from eagle3data.core.reader import COMPLETED
 from eagle3data.core.provenance import RunParamsError, params_of_run, write_provenance
 from eagle3data.generate.ledger import read_ledger
 from eagle3data.prompts.load import load_datasets, template_prompt
@@ -43,7 +47,7 @@ FLAG_ONLY: tuple[str, ...] = tuple(AuditParams.model_fields["flag_only"].default
 class AuditResult:
     """Statuses of every record for every check, with the tables and numbers built on them."""
 
-    table: IdTable
+    table: IdTable | RecordFacts  # in memory (audit_table), or the records without their ids (run_audit)
     profile: Profile
     status: pd.DataFrame  # one row per record, one int8 column per check
     positions: Positions
@@ -88,16 +92,20 @@ class AuditResult:
         """
         keys = self.group_keys() if by_group else pd.DataFrame({"dataset": ["(all)"] * len(self.meta)})
         gcols = list(keys.columns)
-        long = self.status.copy()
-        for c in gcols:
-            long[c] = keys[c].to_numpy()
-        long = long.melt(id_vars=gcols, var_name="check", value_name="status")
-        agg = long.groupby(gcols + ["check"], sort=False)["status"].agg(
-            records="size", failed=lambda s: int((s == FAIL).sum()), passed=lambda s: int((s == PASS).sum()),
-            not_applicable=lambda s: int((s == NA).sum()), not_run=lambda s: int((s == NOT_RUN).sum()),
-            flagged=lambda s: int((s == FLAG).sum())).reset_index()
-        cnt_cols = ["records", "failed", "passed", "not_applicable", "not_run", "flagged"]
-        agg[cnt_cols] = agg[cnt_cols].astype(np.int64)
+        # per group (numbered in order of first appearance) and check, each status counted by bincount: one row per
+        # (check, group), check-major, as the groupby of the checks' long table gave them, without that table
+        codes = keys.groupby(gcols, sort=False).ngroup().to_numpy(np.int64)
+        n_groups = int(codes.max()) + 1 if len(codes) else 0
+        first = np.unique(codes, return_index=True)[1]
+        st, checks = self.status.to_numpy(), list(self.status.columns)
+        agg = pd.concat([keys.iloc[first].reset_index(drop=True)] * len(checks), ignore_index=True) if checks \
+            else keys.iloc[:0].reset_index(drop=True)
+        agg["check"] = np.repeat(np.asarray(checks, dtype=object), n_groups)
+        agg["records"] = np.tile(np.bincount(codes, minlength=n_groups), len(checks)).astype(np.int64)
+        for name, value in (("failed", FAIL), ("passed", PASS), ("not_applicable", NA), ("not_run", NOT_RUN),
+                            ("flagged", FLAG)):
+            agg[name] = np.concatenate([np.bincount(codes[st[:, j] == value], minlength=n_groups)
+                                        for j in range(len(checks))] or [np.zeros(0)]).astype(np.int64)
         agg["applicable"] = agg["passed"] + agg["failed"] + agg["flagged"]
         bad = agg["failed"] + agg["flagged"]
         agg["fail_rate"] = np.where(agg["applicable"] > 0, bad / agg["applicable"].clip(lower=1), np.nan)
@@ -253,22 +261,9 @@ def _verdict(r: Any) -> str:
     return f"0/{r.applicable} (< {r.upper95:.2%})"
 
 
-def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
-                progress: bool = False, calibration: dict[str, Any] | None = None,
-                flag_only: tuple[str, ...] | list[str] = FLAG_ONLY) -> AuditResult:
-    """Run every check that applies to this profile on the records of an IdTable.
-
-    A record that does not hold a check named in `flag_only` is flagged by it, not failed (`audit.flag_only`).
-
-    The table may hold every journal line: the supersede rule keeps one row per key (the
-    record) and the replaced lines go to `AuditResult.superseded`, outside every count.
-    """
-    unknown = [c for c in flag_only if c not in CHECKS]
-    if unknown:
-        raise ValueError(f"audit.flag_only: no check named {unknown[0]!r} (the checks: {', '.join(CHECK_NAMES)})")
-    t0 = time.perf_counter()
-    table, superseded = split_superseded(table)
-    n = len(table)
+def _id_checks(table: IdTable, profile: Profile, suffix: list[int] | None) -> tuple[dict[str, np.ndarray], Positions]:
+    """The checks of a chunk's records by their ids alone: complete, has ids, the structural id checks, the
+    generation prompt (`suffix`; None: not run)."""
     done = table.meta["finish_reason"].isin(COMPLETED).to_numpy(dtype=bool)
     st: dict[str, np.ndarray] = {
         "record.complete": np.where(done, PASS, FAIL).astype(np.int8),
@@ -277,15 +272,36 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
     st["record.has_ids"][~done] = NA
     s2, pos = structural_checks(table, profile)
     st.update(s2)
+    if suffix is not None:
+        st["prompt.generation_prompt"] = suffix_check(table, suffix)
+    return st, pos
+
+
+def _line_audit(profile: Profile, tokenizer: Any, roundtrip: bool, *, hash_ids: bool = True) -> LineAudit:
+    """The per-record checks of this profile (and tokenizer): the generation prompt from the template (without a
+    tokenizer only Kimi's trailing reasoning-open; else the check is not run)."""
+    suffix = None
     if tokenizer is not None:
-        st["prompt.generation_prompt"] = suffix_check(table, generation_suffix(tokenizer, profile))
+        suffix = generation_suffix(tokenizer, profile)
     elif profile.prompt_ends_with_reasoning_open and profile.reasoning_open is not None:
-        st["prompt.generation_prompt"] = suffix_check(table, [profile.reasoning_open.id])
-    if tokenizer is not None:
-        st.update(tokenizer_checks(table, profile, tokenizer, pos, roundtrip=roundtrip, progress=progress))
-    st.update(cross_record_checks(table))
-    st.update(on_policy_checks(table))
-    billed, prompt_calibration = billed_prompt_checks(table, calibration)
+        suffix = [profile.reasoning_open.id]
+    return LineAudit(profile, lambda t: _id_checks(t, profile, suffix), tokenizer, roundtrip, hash_ids=hash_ids)
+
+
+def _audit_result(lines: LineAudit, profile: Profile, t0: float, *, calibration: dict[str, Any] | None,
+                  flag_only: tuple[str, ...] | list[str], table: IdTable | None = None, rebuilt: Any = None,
+                  run_dir: Path | None = None) -> AuditResult:
+    """The checks across records on the records' facts, the status grid and the notes (`table`: the lines held in
+    memory, kept as the result's table; else its table is the facts, each record read back when inspected)."""
+    rec, facts, st, pos, hashes, turns, superseded = lines.finish(rebuilt, run_dir)
+    n = len(facts)
+    records = None
+    if table is not None:  # in memory: the records' table with its ids (its outputs compared from them)
+        records = take_records(table, rec) if len(rec) != len(table) else table
+        records.meta = facts.meta
+    st.update(cross_record_checks(facts if records is None else records, hashes))
+    st.update(on_policy_checks(facts, turns))
+    billed, prompt_calibration = billed_prompt_checks(facts, calibration)
     st.update(billed)
     grid = np.empty((n, len(CHECK_NAMES)), np.int8)  # one block: a frame of 23 separate columns costs more than the checks
     not_run = []
@@ -301,7 +317,7 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
             grid[grid[:, j] == FAIL, j] = FLAG
     status = pd.DataFrame(grid, columns=CHECK_NAMES)
     notes = []
-    if tokenizer is None:
+    if lines.tokenizer is None:
         notes.append("no tokenizer: " + ", ".join(c for c in CHECK_NAMES if n and (c in not_run or (
             c in st and (st[c] == NOT_RUN).all()))) + " not run")
     if len(superseded):
@@ -313,8 +329,65 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
             notes.append(f"billed prompt tokens, provider {row['provider']}, {row['dataset']}: offset "
                          f"{row['prompt_offset']:+d} from the local template ({cal}, mode {row['mode']:+d} in "
                          f"{row['mode_share']:.0%}), {row['off_offset']}/{row['records']} record(s) off it")
-    return AuditResult(table, profile, status, pos, tokenizer is not None, time.perf_counter() - t0, notes=notes,
-                       superseded=superseded, prompt_calibration=prompt_calibration, flag_only=tuple(flag_only))
+    return AuditResult(facts if records is None else records, profile, status, pos, lines.tokenizer is not None,
+                       time.perf_counter() - t0, notes=notes, superseded=superseded,
+                       prompt_calibration=prompt_calibration, flag_only=tuple(flag_only))
+
+
+def _check_flag_only(flag_only: tuple[str, ...] | list[str]) -> None:
+    unknown = [c for c in flag_only if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"audit.flag_only: no check named {unknown[0]!r} (the checks: {', '.join(CHECK_NAMES)})")
+
+
+def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
+                progress: bool = False, calibration: dict[str, Any] | None = None,
+                flag_only: tuple[str, ...] | list[str] = FLAG_ONLY) -> AuditResult:
+    """Run every check that applies to this profile on the records of an IdTable held in memory (one chunk of
+    `streamed.LineAudit`: the checks and verdicts `run_audit` gives the same lines read in chunks).
+
+    A record that does not hold a check named in `flag_only` is flagged by it, not failed (`audit.flag_only`).
+
+    The table may hold every journal line: the supersede rule keeps one row per key (the
+    record) and the replaced lines go to `AuditResult.superseded`, outside every count.
+    """
+    _check_flag_only(flag_only)
+    t0 = time.perf_counter()
+    lines = _line_audit(profile, tokenizer, roundtrip, hash_ids=False)
+    lines.add(table)
+    return _audit_result(lines, profile, t0, calibration=calibration, flag_only=flag_only, table=table)
+
+
+def audit_run_chunked(run_dir: Path, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
+                      chunk_records: int = 512, calibration: dict[str, Any] | None = None,
+                      flag_only: tuple[str, ...] | list[str] = FLAG_ONLY, progress: bool = False) -> AuditResult:
+    """Every journal line of a run (`records/*.jsonl`) audited `chunk_records` lines at a time, with 02's rebuilt
+    ids merged in from `reconstruct/` as each chunk needs them: memory set by the chunk, not by the run."""
+    from tqdm.auto import tqdm
+
+    _check_flag_only(flag_only)
+    t0 = time.perf_counter()
+    paths = sorted((run_dir / "records").glob("*.jsonl"))
+    rebuilt = RebuiltIds(run_dir)
+    lines = _line_audit(profile, tokenizer, roundtrip)
+    api = False
+    with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="audit",
+              disable=not progress) as bar:
+        for path in paths:
+            for k, c in enumerate(journal_chunks(path, chunk_records)):
+                if isinstance(c, int):
+                    lines.torn_tail_bytes += c
+                    continue
+                api |= bool((c.table.meta["source"] == "api").any())
+                lines.add(merge_reconstruct(c.table, run_dir, rebuilt), c.starts, new_file=k == 0)
+                bar.update(c.size)
+    if not lines.lines:
+        lines.add(merge_reconstruct(empty_table(), run_dir))
+    result = _audit_result(lines, profile, t0, calibration=calibration, flag_only=flag_only, rebuilt=rebuilt,
+                           run_dir=run_dir)
+    if api and not (run_dir / "reconstruct").is_dir():
+        result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")
+    return result
 
 
 # --------------------------------------------------------------------------- damage assessment and the stage
@@ -354,12 +427,10 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
     write_provenance(run_dir, "03_audit", params)
     profile = get_profile(params.profile)
     tokenizer = tokenizer or tokenizer_for(params)
-    table = load_run(run_dir, source_fields=True)
-    result = audit_table(table, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip, progress=progress,
-                         calibration=params.reconstruct.count_calibration, flag_only=params.audit.flag_only)
+    result = audit_run_chunked(run_dir, profile, tokenizer=tokenizer, roundtrip=params.audit.roundtrip,
+                               chunk_records=params.audit.chunk_records, progress=progress,
+                               calibration=params.reconstruct.count_calibration, flag_only=params.audit.flag_only)
     result.ledger = read_ledger(run_dir)
-    if not (run_dir / "reconstruct").is_dir() and (table.meta["source"] == "api").any():
-        result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")
     result.skipped_lengths = prompt_length_groups(params, result, tokenizer)
     result.write(run_dir / "audit")
     return result

@@ -2,14 +2,16 @@
 
 `load_run` reads every journal of a run (`idtable.read_journal`) and joins the tables
 (`concat_tables`); `merge_reconstruct` fills the ids of API records from 02's
-`reconstruct/<dataset>.jsonl` with each record's proof level; `split_superseded` keeps the
+`reconstruct/<dataset>.jsonl` with each record's proof level; `supersede_lines` finds the
 one record per key that the supersede rule chooses (`reader.supersede_codes` on `SampleKey.codes_of_frame`) and
-lists the superseded lines; `take_records` is a table of some rows only.
+lists the superseded lines; `take_records` is a table of some rows only. This is the in-memory view of a run
+(the CLI, tests, small runs); 03 itself reads a run in chunks (`streamed`).
 """
 
 from __future__ import annotations
 
 from itertools import chain
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from eagle3data.audit.idtable import META_COLUMNS, AuditInputError, IdTable, read_journal, take_rows
+from eagle3data.audit.rebuilt import RebuiltIds
 from eagle3data.core.reader import COMPLETED, RunFileError, SampleKey, read_rebuilt, supersede_codes
 
 
@@ -24,7 +27,7 @@ def concat_tables(tables: Sequence[IdTable]) -> IdTable:
     """One IdTable from several (e.g. one per dataset journal)."""
     tables = [t for t in tables if t is not None]
     if not tables:
-        return _empty_table()
+        return empty_table()
     if len(tables) == 1:
         return tables[0]
 
@@ -50,14 +53,15 @@ def concat_tables(tables: Sequence[IdTable]) -> IdTable:
     return t
 
 
-def _empty_table() -> IdTable:
+def empty_table() -> IdTable:
     z = np.zeros(1, np.int64)
     return IdTable(pd.DataFrame({c: [] for c in META_COLUMNS + ["line", "file"]}), np.zeros(0, np.int64), z,
                    np.zeros(0, bool), np.zeros(0, np.int64), z.copy(), np.zeros(0, bool))
 
 
-def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
-    """Fill ids of API records (output_ids null) from 02's `reconstruct/<dataset>.jsonl` (`reader.read_rebuilt`).
+def merge_reconstruct(table: IdTable, run_dir: str | Path, rebuilt: Mapping[SampleKey, dict] | None = None) -> IdTable:
+    """Fill ids of API records (output_ids null) from 02's `reconstruct/<dataset>.jsonl` (`reader.read_rebuilt`,
+    or `rebuilt`: 02's lines by key, e.g. `rebuilt.RebuiltIds`, whose ids are arrays read when asked for).
 
     Adds the meta columns `ids_from` (`journal`, `reconstruct`, or `none`) and `proof_level`
     (`engine` for exact journal ids, 02's level for rebuilt ids, `journal` for journal ids
@@ -66,34 +70,41 @@ def merge_reconstruct(table: IdTable, run_dir: str | Path) -> IdTable:
     is an AuditInputError naming its file and line.
     """
     meta = table.meta
-    meta["ids_from"] = np.where(table.has_output, "journal", "none")
+    ids_from = np.where(table.has_output, "journal", "none").astype(object)
     exact = np.asarray(meta["ids_exact"].to_numpy() == True) if "ids_exact" in meta else False  # noqa: E712 (None: no)
-    meta["proof_level"] = np.where(table.has_output & exact, "engine", np.where(table.has_output, "journal", "none"))
+    proof = np.where(table.has_output & exact, "engine", np.where(table.has_output, "journal", "none")).astype(object)
+    meta["ids_from"], meta["proof_level"] = ids_from.astype(str), proof.astype(str)
     need = np.flatnonzero(~table.has_output)
     if len(need) == 0:
         return table
     try:
-        rebuilt = read_rebuilt(run_dir, [str(d) for d in meta["dataset"].iloc[need].unique()])
+        if rebuilt is None:
+            rebuilt = read_rebuilt(run_dir, [str(d) for d in meta["dataset"].iloc[need].unique()])
+        keys = SampleKey.of_frame(meta.iloc[need])
+        if isinstance(rebuilt, RebuiltIds):  # the keys 02 wrote, their ids parsed in one pass
+            there = [(i, k) for i, k in zip(need, keys) if k in rebuilt]
+            found = list(zip([i for i, _ in there], rebuilt.many([k for _, k in there])))
+        else:
+            found = [(i, rebuilt.get(key)) for i, key in zip(need, keys)]
     except RunFileError as e:
         raise AuditInputError(str(e)) from None
-    if not rebuilt:
+    if all(o is None for _, o in found):
         return table
     outs = [table.output_ids(i) for i in range(len(table))]
     prompts = [table.prompt_ids(i) for i in range(len(table))]
     has_o, has_p = table.has_output.copy(), table.has_prompt.copy()
-    for i, key in zip(need, SampleKey.of_frame(meta.iloc[need])):  # keys of the rows that need ids only
-        o = rebuilt.get(key)
-        if o is None or not isinstance(o.get("output_ids"), list):
+    for i, o in found:  # the rows that need ids only
+        if o is None or not isinstance(o.get("output_ids"), (list, np.ndarray)):
             continue
         outs[i] = np.asarray(o["output_ids"], dtype=np.int64)
         has_o[i] = True
-        if isinstance(o.get("prompt_ids"), list):
+        if isinstance(o.get("prompt_ids"), (list, np.ndarray)):
             prompts[i] = np.asarray(o["prompt_ids"], dtype=np.int64)
             has_p[i] = True
         if table.loss_mask is not None:
             table.loss_mask[i] = o.get("loss_mask")
-        meta.at[i, "ids_from"] = "reconstruct"
-        meta.at[i, "proof_level"] = o.get("proof_level") or "unknown"
+        ids_from[i], proof[i] = "reconstruct", o.get("proof_level") or "unknown"
+    meta["ids_from"], meta["proof_level"] = ids_from.astype(str), proof.astype(str)
     for name, off_name, segs in (("output", "output_off", outs), ("prompt", "prompt_off", prompts)):
         lens = np.fromiter((len(s) for s in segs), np.int64, count=len(segs))
         off = np.zeros(len(segs) + 1, np.int64)
@@ -119,33 +130,27 @@ def take_records(table: IdTable, rows: np.ndarray) -> IdTable:
     return t
 
 
-def split_superseded(table: IdTable) -> tuple[IdTable, pd.DataFrame]:
-    """(the records: one row per key by `reader.supersede_codes`, with meta column `duplicate`; the superseded lines).
-
-    The superseded frame lists each replaced line (dataset, sample_id, finish_reason, file,
-    line) and the line of the record that replaced it (`record_line`). Keys are coded once
-    (`SampleKey.codes_of_frame`); nothing here works row by row.
+def supersede_lines(meta: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+    """The supersede rule on a table's lines (`reader.supersede_codes` on `SampleKey.codes_of_frame`):
+    (the rows of the records, one per key, in order; per record whether its key completed twice; the
+    superseded lines: dataset, sample_id, finish_reason, file, line, and the line of the record that replaced
+    each, `record_line`). Needs only the lines' keys and finish reasons: nothing here works row by row.
     """
-    m = table.meta
-    codes = SampleKey.codes_of_frame(m)
-    is_record, dup = supersede_codes(codes, m["finish_reason"].isin(COMPLETED).to_numpy(dtype=bool))
+    codes = SampleKey.codes_of_frame(meta)
+    is_record, dup = supersede_codes(codes, meta["finish_reason"].isin(COMPLETED).to_numpy(dtype=bool))
     rec_rows = np.flatnonzero(is_record)
     old_rows = np.flatnonzero(~is_record)
     cols = ["dataset", "sample_id", "finish_reason", "file", "line"]
-    sup = m.iloc[old_rows][[c for c in cols if c in m]].reset_index(drop=True)
+    sup = meta.iloc[old_rows][[c for c in cols if c in meta]].reset_index(drop=True)
     if len(old_rows) == 0:
         sup["record_line"] = pd.Series(dtype=object)
-        table.meta["duplicate"] = dup
-        return table, sup
-    if "line" in m:
+    elif "line" in meta:
         record_of = np.zeros(int(codes.max()) + 1, np.int64)
         record_of[codes[rec_rows]] = rec_rows
-        sup["record_line"] = m["line"].to_numpy()[record_of[codes[old_rows]]]
+        sup["record_line"] = meta["line"].to_numpy()[record_of[codes[old_rows]]]
     else:
         sup["record_line"] = None
-    out = take_records(table, rec_rows)
-    out.meta["duplicate"] = dup[rec_rows]
-    return out, sup
+    return rec_rows, dup[rec_rows], sup
 
 
 def load_run(run_dir: str | Path, *, source_fields: bool = False) -> IdTable:
