@@ -133,7 +133,8 @@ MEMORY_SETTING = {
 def kernel_death(stage: str, error: BaseException) -> str | None:
     """Why a stage's kernel died, in one line: its exit signal, that the out-of-memory killer is the usual sender
     of SIGKILL, the memory last measured and the setting that bounds it; None when the error is not a dead kernel."""
-    if type(error).__name__ != "DeadKernelError" or not _KernelPids.pids:
+    dead = type(error).__name__ == "DeadKernelError" or "Kernel died" in str(error)  # also before kernel_info's reply
+    if not dead or not _KernelPids.pids:
         return None
     pid = _KernelPids.pids[-1]
     proc = _KernelPids.procs.get(pid)
