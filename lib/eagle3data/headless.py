@@ -116,6 +116,8 @@ class _KernelPids:
             rss = psutil.Process(pid).memory_info().rss
         except psutil.Error:
             return
+        if rss == 0:  # a killed kernel not yet reaped (a zombie) holds no memory: keep what it held before
+            return
         cls.rss[pid] = (rss, max(rss, cls.rss.get(pid, (0, 0, 0.0))[1]), time.time())
 
 
