@@ -15,8 +15,8 @@ runs 01 -> 03 and the online hand-offs from a machine without a GPU. This bench 
   params.yaml --only NN`, the documented command, timed, its peak RSS polled (the stage's kernel: the
   ipykernel process papermill starts; and the largest process of the tree).
 
-`--kill 02,03,05` first SIGKILLs each of those stages' kernel `--kill-after` seconds in (as the OOM killer
-would) and runs it again. Checks after the chain: every stage exit 0, 02's lines and 03's verdicts one per key, both online hand-offs hold every key of the mix exactly once
+`--kill 01,02,03,05` first SIGKILLs each of those stages' kernel `--kill-after` seconds in (as the OOM killer
+would; 01's kill is a stop mid-generation) and runs it again: the rerun resumes. Checks after the chain: every stage exit 0, 02's lines and 03's verdicts one per key, both online hand-offs hold every key of the mix exactly once
 (handoff.json `keys` against the mix manifest and the files' own ids), and the key is in no file of the run.
 
 Writes outputs/bench/scale.json: per size and stage wall seconds, tokens, seconds per million tokens,
@@ -205,23 +205,40 @@ def kill_mid(params: Path, stage: str, env: dict[str, str], log: Path, after_s: 
                 except psutil.Error:
                     pass
         err = proc.communicate()[1]
-    return {"killed_pid": killed, "after_s": after_s, "rc": proc.returncode, "error": err.strip()[-400:]}
+    err = err.strip()
+    return {"killed_pid": killed, "after_s": after_s, "rc": proc.returncode, "error": err[-400:],
+            # the kernel died mid-way (not after the stage ended) and `run` said so in its one line
+            "killed_mid": killed is not None and proc.returncode != 0 and "SIGKILL" in err}
+
+
+def kill_after(spec: str, stage: str, size_index: int) -> float:
+    """Seconds into `stage` the kill comes: `spec` is one number for every stage and size, or
+    `01=15/60,02=45/240,...`: per stage, one value per size (the last one repeats)."""
+    if "=" not in spec:
+        return float(spec)
+    for item in spec.split(","):
+        st, _, vals = item.partition("=")
+        if st.strip() == stage:
+            v = [float(x) for x in vals.split("/")]
+            return v[min(size_index, len(v) - 1)]
+    raise SystemExit(f"--kill-after {spec!r} names no time for stage {stage}")
 
 
 def unique_lines(run_dir: Path) -> dict:
-    """Nothing doubled: 02's lines and 03's verdicts one per key."""
+    """Nothing doubled: 01's journals, 02's lines and 03's verdicts one line per key."""
     from eagle3data.core.reader import SampleKey
 
     out = {}
-    for name, files in (("reconstruct", sorted((run_dir / "reconstruct").glob("*.jsonl"))),
+    for name, files in (("journal", sorted((run_dir / "records").glob("*.jsonl"))),
+                        ("reconstruct", sorted((run_dir / "reconstruct").glob("*.jsonl"))),
                         ("verdicts", [run_dir / "audit" / "verdicts.jsonl"])):
         keys = [SampleKey.of(orjson.loads(line)) for p in files if p.exists() for line in open(p, "rb")]
         out[name] = {"lines": len(keys), "unique": len(set(keys)) == len(keys)}
     return out
 
 
-def run_tokens(run_dir: Path) -> dict[str, int]:
-    """Records and tokens (prompt + output, 02's rebuilt ids) of the run, from 02's lines."""
+def run_tokens(run_dir: Path) -> dict[str, int | None]:
+    """Records and tokens (prompt + output, 02's rebuilt ids) of the run, from 02's lines (None before 02)."""
     n = tokens = 0
     for p in sorted((run_dir / "reconstruct").glob("*.jsonl")):
         with open(p, "rb") as f:
@@ -229,7 +246,7 @@ def run_tokens(run_dir: Path) -> dict[str, int]:
                 r = orjson.loads(line)
                 n += 1
                 tokens += len(r["input_ids"])
-    return {"records": n, "tokens": tokens}
+    return {"records": n, "tokens": tokens} if n else {"records": None, "tokens": None}
 
 
 def check_handoffs(run_dir: Path) -> dict:
@@ -264,12 +281,16 @@ def key_in_files(run_dir: Path, key: str) -> list[str]:
     for p in run_dir.rglob("*"):
         if p.is_file():
             with open(p, "rb") as f:
-                if needle in f.read():
-                    hits.append(str(p))
+                tail = b""
+                while block := f.read(1 << 24):
+                    if needle in tail + block:
+                        hits.append(str(p))
+                        break
+                    tail = block[-len(needle):]
     return hits
 
 
-def one_size(n: int, args, tokenizer_dir: Path) -> dict:
+def one_size(n: int, args, tokenizer_dir: Path, size_index: int = 0) -> dict:
     root = Path(args.root) / f"n{n}"
     if root.exists() and not args.keep:
         shutil.rmtree(root)
@@ -289,8 +310,10 @@ def one_size(n: int, args, tokenizer_dir: Path) -> dict:
         kills = [k for k in args.kill.split(",") if k]
         for st in args.stages.split(","):
             if st in kills:
-                res.setdefault("kills", {})[st] = k = kill_mid(params, st, env, log, args.kill_after)
-                print(f"  n={n} stage {st}: kernel killed after {args.kill_after} s: rc {k['rc']}", flush=True)
+                after = kill_after(args.kill_after, st, size_index)
+                res.setdefault("kills", {})[st] = k = kill_mid(params, st, env, log, after)
+                print(f"  n={n} stage {st}: kernel killed after {after} s: rc {k['rc']}, mid-way: {k['killed_mid']}",
+                      flush=True)
             r = run_stage(params, st, env, log)
             res["stages"][st] = r
             print(f"  n={n} stage {st}: rc {r['rc']} in {r['seconds']} s, kernel peak {r['peak_rss_kernel_gib']} GiB",
@@ -321,7 +344,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep an existing folder (resume)")
     ap.add_argument("--kill", default="", help="stages (e.g. 02,03,05) whose kernel is SIGKILLed mid-way first, "
                                                "then run again: the run must complete with nothing doubled")
-    ap.add_argument("--kill-after", type=float, default=30.0, help="seconds into the stage the kill comes")
+    ap.add_argument("--kill-after", default="01=15/60,02=45/240,03=45/240,05=30/150",
+                    help="seconds into the stage the kill comes: one number, or per stage one value per size "
+                         "(the default suits 8,800 and 88,000 prompts on 2 cores: mid-way through each)")
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--out", default=str(REPO / "outputs" / "bench" / "scale.json"))
     args = ap.parse_args()
@@ -330,7 +355,7 @@ def main() -> None:
     tokenizer_dir = qwen3_tokenizer_dir()
     load0 = os.getloadavg()[0]
     sizes = [int(s) for s in args.sizes.split(",")]
-    results = {str(n): one_size(n, args, tokenizer_dir) for n in sizes}
+    results = {str(n): one_size(n, args, tokenizer_dir, i) for i, n in enumerate(sizes)}
     out = {"sizes": results, "load_1min_at_start": round(load0, 2), "cpus": os.cpu_count(),
            "machine": _cpu_name(), "commit": _commit()}
     if len(sizes) == 2 and not args.prepare_only:
@@ -341,9 +366,10 @@ def main() -> None:
             if b and a.get("s_per_mtok") and b.get("s_per_mtok"):
                 growth[st] = {"time_per_token": round(b["s_per_mtok"] / a["s_per_mtok"], 3),
                               "peak_rss": round(b["peak_rss_kernel_gib"] / max(a["peak_rss_kernel_gib"], 1e-9), 3)}
-        chain_a = sum(r["seconds"] for r in small["stages"].values()) / max(small["tokens"], 1)
-        chain_b = sum(r["seconds"] for r in big["stages"].values()) / max(big["tokens"], 1)
-        growth["chain"] = {"time_per_token": round(chain_b / chain_a, 3) if chain_a else None}
+        if small["tokens"] and big["tokens"]:
+            chain_a = sum(r["seconds"] for r in small["stages"].values()) / small["tokens"]
+            chain_b = sum(r["seconds"] for r in big["stages"].values()) / big["tokens"]
+            growth["chain"] = {"time_per_token": round(chain_b / chain_a, 3)}
         out["growth"] = growth
         out["largest"] = big
         out["max_peak_rss_kernel_gib"] = max(r["peak_rss_kernel_gib"] for s in results.values()

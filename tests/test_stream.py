@@ -86,3 +86,35 @@ def test_rebuilt_index_reads_as_read_rebuilt(tmp_path):
                                                "loss_mask": [1]}) + b"\n")
     with pytest.raises(RunFileError, match=r"d\.jsonl:1: field `loss_mask` has 1 entries for 2 input_ids"):
         index_rebuilt(tmp_path, ["d"])
+
+
+def test_resuming_01_holds_no_ids_or_texts_of_the_journal(tmp_path):
+    """01's plan reads a journal it resumes through `scan_journal(keep=PLAN_FIELDS)`: every record's key,
+    finish reason and bill, and none of its ids or texts; the file is read in blocks, never whole. A
+    journal of 30 MB (200 records of 20,000 ids and a long reply) peaks at a few MB of Python memory,
+    where holding it (as the plan did) costs several times its size."""
+    import tracemalloc
+
+    from eagle3data.core.records import scan_journal
+    from eagle3data.generate.plan import PLAN_FIELDS
+
+    rows = []
+    for i in range(200):
+        r = make_record("d", i, range(20), range(20_000), finish_reason="length" if i % 3 else "stop")
+        r.update(content="é" * 20_000, usage={"prompt_tokens": 20, "completion_tokens": 20_000}, cost_usd=0.01)
+        rows.append(r)
+    _journal(tmp_path, "d", rows, tail=b'{"dataset": "d", "sample_id": 9')
+    path = tmp_path / "records" / "d.jsonl"
+    size = path.stat().st_size
+    tracemalloc.start()
+    scan = scan_journal(path, repair=True, keep=PLAN_FIELDS)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [r["sample_id"] for r in scan.records] == [r["sample_id"] for r in rows]
+    assert all(set(r) <= set(PLAN_FIELDS) and "output_ids" not in r and "content" not in r for r in scan.records)
+    assert scan.records[1]["usage"]["completion_tokens"] == 20_000 and scan.records[0]["finish_reason"] == "stop"
+    assert scan.torn_tail_bytes and path.stat().st_size == size - scan.torn_tail_bytes  # repaired
+    assert size > 25e6 and peak < size / 8, (peak, size)
+    # without `keep` the same journal reads in full, as the stages that want every field read it
+    full = scan_journal(path)
+    assert full.records == rows

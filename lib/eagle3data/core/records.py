@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict
@@ -68,39 +68,68 @@ class JournalScan:
     bad_lines: list[str] = field(default_factory=list)
 
 
-def scan_journal(path: str | Path, *, repair: bool = False) -> JournalScan:
-    """Read a journal, detecting a torn last line (a write cut by a crash).
+KEY_FIELDS = ("dataset", "sample_id", "finish_reason")
 
-    A last line without its newline is incomplete by construction (every record is written
-    as one `line + "\\n"`); with `repair=True` it is cut off the file so appends resume on a
-    clean boundary. Unparseable complete lines are reported in `bad_lines` and skipped.
+
+class JournalLines:
+    """The one rule for which lines of a journal are records, applied in one forward pass.
+
+    Iterating yields `(line number, byte offset, line with its newline, parsed object)` for each record
+    line: JSON, an object, with `dataset`, `sample_id` and `finish_reason`, ended by its newline. The
+    others are collected as met: `bad_lines` (file:line and why; a blank line is skipped silently), and
+    `torn_tail_bytes`, a last line without its newline (a write cut by a crash; never parsed). The file
+    is read in blocks, never whole: `scan_journal` and `stream.index_journal` both read through it.
     """
-    path = Path(path)
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.bad_lines: list[str] = []
+        self.torn_tail_bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int, bytes, dict[str, Any]]]:
+        if not self.path.exists():
+            return
+        off = 0
+        with open(self.path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                start, off = off, off + len(line)
+                if not line.endswith(b"\n"):
+                    self.torn_tail_bytes = len(line)
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError as e:
+                    self.bad_lines.append(f"{self.path}:{lineno}: not JSON ({e})")
+                    continue
+                missing = [k for k in KEY_FIELDS if k not in obj] if isinstance(obj, dict) else list(KEY_FIELDS)
+                if missing:
+                    self.bad_lines.append(f"{self.path}:{lineno}: missing field(s) {', '.join(missing)}")
+                    continue
+                yield lineno, start, line, obj
+
+
+def scan_journal(path: str | Path, *, repair: bool = False, keep: Iterable[str] | None = None) -> JournalScan:
+    """Read a journal's records (`JournalLines`' rule), detecting a torn last line (a write cut by a crash).
+
+    A last line without its newline is incomplete by construction (every record is written as one
+    `line + "\\n"`); with `repair=True` it is cut off the file so appends resume on a clean boundary.
+    Unparseable complete lines are reported in `bad_lines` and skipped. `keep` names the only fields
+    kept of each record (01's plan keeps its keys, finish reasons and bills, not the ids and texts of a
+    whole run); None keeps every field.
+    """
+    lines = JournalLines(path)
     scan = JournalScan()
-    if not path.exists():
-        return scan
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        scan.torn_tail_bytes = len(data) - end
-        if repair:
-            with open(path, "r+b") as f:
-                f.truncate(end)
-                f.flush()
-                os.fsync(f.fileno())
-    for lineno, line in enumerate(data[:end].splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError as e:
-            scan.bad_lines.append(f"{path}:{lineno}: not JSON ({e})")
-            continue
-        missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
-        if missing:
-            scan.bad_lines.append(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
-            continue
-        scan.records.append(obj)
+    fields = None if keep is None else tuple(keep)
+    for _lineno, _off, _line, obj in lines:
+        scan.records.append(obj if fields is None else {k: obj[k] for k in fields if k in obj})
+    scan.bad_lines, scan.torn_tail_bytes = lines.bad_lines, lines.torn_tail_bytes
+    if repair and scan.torn_tail_bytes:
+        with open(lines.path, "r+b") as f:
+            f.truncate(lines.path.stat().st_size - scan.torn_tail_bytes)
+            f.flush()
+            os.fsync(f.fileno())
     return scan
 
 

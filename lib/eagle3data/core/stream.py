@@ -7,7 +7,7 @@ rows, not for the seeds' 88,000 records of ~2,400 tokens each (13 GiB in 02, 19.
 it), and the lines themselves are parsed again only when a chunk of them is wanted:
 
 - `index_journal(run_dir, name)`: one pass, memory O(lines) of small facts; the same lines, bad
-  lines and torn tail as `records.scan_journal` (which reads the file whole), the same supersede
+  lines and torn tail as `records.scan_journal` (both read through `records.JournalLines`), the same supersede
   rule (`reader.supersede_codes`).
 - `JournalIndex.iter_records(chunk)`: the records (the latest line per key) in journal order, a list
   of at most `chunk` parsed lines at a time, read sequentially.
@@ -30,8 +30,8 @@ import numpy as np
 import orjson
 
 from eagle3data.core.reader import COMPLETED, RunFileError, SampleKey, supersede_codes
+from eagle3data.core.records import JournalLines
 
-KEY_FIELDS = ("dataset", "sample_id", "finish_reason")
 
 
 def _lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
@@ -115,40 +115,25 @@ class JournalIndex:
 def index_journal(run_dir: str | Path, name: str, error: type[RunFileError] = RunFileError) -> JournalIndex:
     """Index `records/<name>.jsonl` in one pass (an empty index when the journal is absent).
 
-    A line is kept exactly when `records.scan_journal` keeps it (JSON with dataset, sample_id and
-    finish_reason, ended by its newline); the others are `bad_lines`, a last line without its
-    newline is the torn tail. A record of another dataset raises `error` naming the file.
+    The lines kept are `records.JournalLines`' (the rule `scan_journal` reads by too: JSON objects with
+    dataset, sample_id and finish_reason, ended by their newline); the others are `bad_lines`, a last
+    line without its newline is the torn tail. A record of another dataset raises `error` naming the file.
     """
     path = Path(run_dir) / "records" / f"{name}.jsonl"
     starts: list[int] = []
     ends: list[int] = []
     keys: list[SampleKey] = []
     finish: list[Any] = []
-    bad: list[str] = []
-    torn = 0
-    if path.exists():
-        for lineno, off, line in _lines(path):
-            if not line.endswith(b"\n"):
-                torn = len(line)
-                break
-            if not line.strip():
-                continue
-            try:
-                obj = orjson.loads(line)
-            except orjson.JSONDecodeError as e:
-                bad.append(f"{path}:{lineno}: not JSON ({e})")
-                continue
-            missing = [k for k in KEY_FIELDS if k not in obj] if isinstance(obj, dict) else list(KEY_FIELDS)
-            if missing:
-                bad.append(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
-                continue
-            if str(obj["dataset"]) != name:
-                raise error(f"{path}: record {obj['sample_id']!r} has dataset {obj['dataset']!r}, not {name!r}",
-                            path=path, fields=("dataset",))
-            starts.append(off)
-            ends.append(off + len(line))
-            keys.append(SampleKey.of(obj))
-            finish.append(obj.get("finish_reason"))
+    lines = JournalLines(path)
+    for _lineno, off, line, obj in lines:
+        if str(obj["dataset"]) != name:
+            raise error(f"{path}: record {obj['sample_id']!r} has dataset {obj['dataset']!r}, not {name!r}",
+                        path=path, fields=("dataset",))
+        starts.append(off)
+        ends.append(off + len(line))
+        keys.append(SampleKey.of(obj))
+        finish.append(obj.get("finish_reason"))
+    bad, torn = lines.bad_lines, lines.torn_tail_bytes
     first: dict[SampleKey, int] = {}
     codes = np.fromiter((first.setdefault(k, len(first)) for k in keys), np.int64, len(keys))
     is_record, dup = supersede_codes(codes, np.fromiter((fr in COMPLETED for fr in finish), bool, len(finish)))

@@ -59,7 +59,10 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
         led = ledger[name] = DatasetLedger(planned=len(ps.prompts), rejected_prompt_lines=list(ps.skipped),
                                            budget_tokens=budgets.get(name))
         final: dict[SampleKey, dict[str, Any]] = {}
-        scan = scan_journal(run_dir / "records" / f"{name}.jsonl", repair=True)
+        # a conversation's turns are replayed from their texts; otherwise only the keys, finish reasons and
+        # bills are read, so resuming a run of 213M tokens holds none of its ids or texts
+        scan = scan_journal(run_dir / "records" / f"{name}.jsonl", repair=True,
+                            keep=None if modes[name] == "all" else PLAN_FIELDS)
         if scan.torn_tail_bytes:
             torn[name] = scan.torn_tail_bytes
         bad.extend(scan.bad_lines)
@@ -101,6 +104,10 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 continue
             pending.append((p, ids))
     return RunPlan(ledger, pending, done_keys, torn, bad, convs)
+
+
+# what the plan and the ledger read of a journaled record of a last-turn dataset (`DatasetLedger.add_record`)
+PLAN_FIELDS = ("dataset", "sample_id", "turn", "finish_reason", "usage", "cost_usd", "source", "provider")
 
 
 def turns_by_dataset(params: RunParams) -> dict[str, str]:
