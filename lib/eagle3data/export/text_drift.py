@@ -11,19 +11,22 @@ how many rows it reproduces the exact ids:
 
 - `equal`: the rule's ids are ours, token for token;
 - `equal_then_template_tail`: ours, then only what the template appends after the end-of-turn the
-  model emitted (ChatML's newline after `<|im_end|>`): the trained-on tokens are ours;
+  model emitted (ChatML's newline after `<|im_end|>`): the ids up to it are ours (TorchSpec's loss mask
+  supervises that newline too: value/text_rule.py);
 - `differ`: anything else, by kind (`differ_kinds`): `end_of_turn_added` (a reply cut at the
   budget: the template closes the turn with an end-of-turn the model never emitted there, and the
   trainer supervises it) or `inside` (another split, a token missing or added within the sequence).
   The first ones are named, with the position and the tokens on both sides.
 
-`reproduced` = the first two. The figure is the run's, whatever trainer it goes to; what such a
-drift costs a drafter is 06's `retokenized` variant (docs/06).
+`reproduced` = the first two. `drift_kind` is the one rule for a row's kind (06's `text_rule` rows take theirs
+from it too). The figure is the run's, whatever trainer it goes to; what such a drift costs a drafter is 06's
+`text_rule` variant (value/text_rule.py: these ids with the trainer's own loss mask), not `retokenized` (02's
+proven rebuild, which knows the finish reason and never adds that end-of-turn).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from eagle3data.core.models import tokenizer_for
 from eagle3data.core.profiles import get_profile
@@ -39,22 +42,49 @@ SHOW = 5  # differing rows named in the manifest
 WINDOW = 4  # tokens shown on each side of a row's first difference
 
 
-def rule_ids(tokenizer: Any, samples: Sequence[Any], profile: Any) -> list[list[int]]:
-    """The ids the text trainers' rule gives each sample's conversation (rendered one by one, encoded in one batch)."""
+def rule_messages(sample: Any, profile: Any) -> tuple[list[dict[str, Any]], list | None]:
+    """The conversation the rule renders for a sample: the record's messages, then its reply as the final assistant
+    turn (with `reasoning_content` and its tool calls), as `prompts.load.messages_for_template` gives them."""
+    rec = sample.record or {}
+    reply = {"role": "assistant", "content": rec.get("content") or "", "reasoning_content": rec.get("reasoning") or ""}
+    if rec.get("tool_calls"):
+        reply["tool_calls"] = rec["tool_calls"]
+    prompt = Prompt(sample.dataset, sample.sample_id, [*(rec.get("messages") or []), reply], rec.get("tools"))
+    return messages_for_template(prompt, profile)
+
+
+def rule_texts(tokenizer: Any, samples: Sequence[Any], profile: Any) -> list[str]:
+    """Each sample's conversation rendered by the target's chat template as text (the profile's template options)."""
     texts = []
     for s in samples:
-        rec = s.record or {}
-        reply = {"role": "assistant", "content": rec.get("content") or "",
-                 "reasoning_content": rec.get("reasoning") or ""}
-        if rec.get("tool_calls"):
-            reply["tool_calls"] = rec["tool_calls"]
-        prompt = Prompt(s.dataset, s.sample_id, [*(rec.get("messages") or []), reply], rec.get("tools"))
-        msgs, tools = messages_for_template(prompt, profile)
+        msgs, tools = rule_messages(s, profile)
         kw = dict(profile.template_kwargs) | ({"tools": tools} if tools else {})
         texts.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw))
+    return texts
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Texts encoded without special tokens, in one batch (the fast tokenizer's `encode(add_special_tokens=False)`)."""
     if not texts:
         return []
-    return [list(e.ids) for e in fast_backend(tokenizer).encode_batch_fast(texts, add_special_tokens=False)]
+    return [list(e.ids) for e in fast_backend(tokenizer).encode_batch_fast(list(texts), add_special_tokens=False)]
+
+
+def rule_ids(tokenizer: Any, samples: Sequence[Any], profile: Any) -> list[list[int]]:
+    """The ids the text trainers' rule gives each sample's conversation (rendered one by one, encoded in one batch)."""
+    return encode_texts(tokenizer, rule_texts(tokenizer, samples, profile))
+
+
+def drift_kind(ours: Sequence[int], theirs: Sequence[int], eot_ids: Collection[int]) -> str:
+    """How a row's rule ids compare with its exact ids: one of `value.peer_rows.KINDS` (this module's docstring)."""
+    d = first_diff(ours, theirs)
+    if d is None:
+        return "equal"
+    if d == len(ours) and ours and ours[-1] in eot_ids:  # ours, then only the template's tail after our end-of-turn
+        return "equal_then_template_tail"
+    if d == len(ours) and d < len(theirs) and theirs[d] in eot_ids:  # a reply cut at the budget gets an end-of-turn
+        return "end_of_turn_added"  # the model never emitted there
+    return "inside"
 
 
 def _view(tokenizer: Any, ids: Sequence[int]) -> list[list[Any]]:
@@ -79,15 +109,14 @@ class DriftCount:
         tokenizer, eot = self.tokenizer, set(self.profile.stop_ids)
         for s, theirs in zip(samples, rule_ids(tokenizer, samples, self.profile)):
             ours = list(s.input_ids)
-            d = first_diff(ours, theirs)
-            if d is None:
+            kind = drift_kind(ours, theirs, eot)
+            if kind == "equal":
                 self.equal += 1
                 continue
-            if d == len(ours) and ours and ours[-1] in eot:  # ours, then only the template's tail after our end-of-turn
+            if kind == "equal_then_template_tail":
                 self.tail += 1
                 continue
-            kind = ("end_of_turn_added" if d == len(ours) and d < len(theirs) and theirs[d] in eot
-                    else "inside")  # a reply cut at the budget gets an end-of-turn the model never emitted
+            d = first_diff(ours, theirs)
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
             if len(self.differing) < SHOW:
                 lo = max(0, d - WINDOW)
