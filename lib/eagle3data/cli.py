@@ -354,7 +354,7 @@ def cmd_verify_hidden(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from eagle3data.audit.run import audit_cli  # the stage (pandas, pyarrow) only for this command
+    from eagle3data.audit.command import audit_cli  # the stage (pandas, pyarrow) only for this command
 
     return audit_cli(args.records, profile=args.profile, out=args.out, tokenizer=args.tokenizer,
                      allow_failed=args.allow_failed)

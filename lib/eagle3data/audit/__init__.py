@@ -4,7 +4,8 @@ Owns the journal as flat id arrays (`idtable`), a run's tables merged with 02's 
 the supersede rule (`runtable`), 02's rebuilt ids read by key (`rebuilt`), the vectorized checks
 (`checks`) and the tokenizer's in batches (`textchecks`), a run audited in chunks with memory set by
 `audit.chunk_records` (`streamed`), verdicts and
-the summary (`run`), the sample inspector (`inspector`), figures (`plots`) and the shareable
+the summary (`run`), `python -m eagle3data audit` on any journal, streamed the same way (`command`),
+the sample inspector (`inspector`), figures (`plots`) and the shareable
 `report.html` (`report`), which opens on the run's summary across the stages that ran (`overview`). May import the core, `prompts`, `generate` and `rebuild`; never a
 later stage.
 """

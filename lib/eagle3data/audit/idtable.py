@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import orjson
@@ -30,8 +30,28 @@ class AuditInputError(UserInputError, ValueError):
 META_COLUMNS = ["dataset", "sample_id", "source", "provider", "finish_reason", "ids_exact", "profile", "model", "turn"]
 
 
+class RecordLengths:
+    """A table of records by its offsets: how many records (its `meta` rows) and each one's output and prompt
+    length in ids. `IdTable` (ids held) and `streamed.RecordFacts` (ids let go) both read their lengths so."""
+
+    meta: pd.DataFrame
+    prompt_off: np.ndarray
+    output_off: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    @property
+    def output_len(self) -> np.ndarray:
+        return np.diff(self.output_off)
+
+    @property
+    def prompt_len(self) -> np.ndarray:
+        return np.diff(self.prompt_off)
+
+
 @dataclass
-class IdTable:
+class IdTable(RecordLengths):
     """Records as flat id arrays with offsets, plus per-record metadata.
 
     `output[output_off[i]:output_off[i+1]]` are record i's output ids; `has_output[i]` is
@@ -54,17 +74,6 @@ class IdTable:
     tool_calls: list | None = None
     bad_lines: list[str] = field(default_factory=list)
     torn_tail_bytes: int = 0
-
-    def __len__(self) -> int:
-        return len(self.meta)
-
-    @property
-    def output_len(self) -> np.ndarray:
-        return np.diff(self.output_off)
-
-    @property
-    def prompt_len(self) -> np.ndarray:
-        return np.diff(self.prompt_off)
 
     def output_ids(self, i: int) -> np.ndarray:
         return self.output[self.output_off[i] : self.output_off[i + 1]]
@@ -446,7 +455,7 @@ def read_journal(path: str | Path, *, source_fields: bool = False) -> IdTable:
     if not path.exists():
         raise AuditInputError(f"{path}: no such file")
     if path.suffix == ".parquet":
-        return _read_parquet(path, source_fields)
+        return next(parquet_tables(path, source_fields=source_fields))
     data, torn = _split_torn(path.read_bytes())
     t = read_lines(path, data, source_fields=source_fields)
     t.torn_tail_bytes = torn
@@ -462,28 +471,49 @@ def read_lines(path: str | Path, data: bytes, *, first_line: int = 0, source_fie
     return t
 
 
-def _read_parquet(path: Path, source_fields: bool) -> IdTable:
+def parquet_tables(path: Path, rows: int | None = None, *, source_fields: bool = True) -> Iterator[IdTable]:
+    """A columnar file (.parquet) as IdTables: the whole file (`rows` None: `pq.read_table`), or its record batches of
+    at most `rows` rows (`ParquetFile.iter_batches`: memory set by the batch and the file's row group); rows
+    numbered from 1 across them (`line`), a bad field named by its row; a file without rows is one empty table."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    first = 0
+
+    def table(tab: Any) -> IdTable:
+        if source_fields:
+            objs = tab.to_pylist()
+            for o in objs:
+                for k in ("messages", "tools"):
+                    if isinstance(o.get(k), str):  # JSON text columns
+                        o[k] = orjson.loads(o[k])
+            t = _table_from_dicts(objs, lambda i: f"{path}:row {first + i}", True)
+        else:
+            if "prompt_ids" not in tab.column_names:
+                tab = tab.append_column("prompt_ids", pa.nulls(tab.num_rows, pa.list_(pa.int64())))
+            t = _table_from_arrow(tab)
+        t.meta["line"] = np.arange(first + 1, first + len(t) + 1)
+        t.meta["file"] = str(path)
+        return t
+
+    def columns(names: list[str]) -> None:
+        for k in ("dataset", "sample_id", "finish_reason", "output_ids"):
+            if k not in names:
+                raise AuditInputError(f"{path}: missing column `{k}`")
+
     try:
-        tab = pq.read_table(path)
+        if rows is None:
+            tab = pq.read_table(path)
+            columns(tab.column_names)
+            yield table(tab)
+            return
+        f = pq.ParquetFile(path)
+        columns(f.schema_arrow.names)
+        for batch in f.iter_batches(batch_size=rows):
+            if batch.num_rows:
+                yield table(pa.Table.from_batches([batch]))
+                first += batch.num_rows
+        if not first:
+            yield table(f.schema_arrow.empty_table())
     except (pa.ArrowInvalid, OSError) as e:
         raise AuditInputError(f"{path}: not a readable parquet file ({e})") from None
-    for k in ("dataset", "sample_id", "finish_reason", "output_ids"):
-        if k not in tab.column_names:
-            raise AuditInputError(f"{path}: missing column `{k}`")
-    if source_fields:
-        objs = tab.to_pylist()
-        for o in objs:
-            for k in ("messages", "tools"):
-                if isinstance(o.get(k), str):  # JSON text columns
-                    o[k] = orjson.loads(o[k])
-        t = _table_from_dicts(objs, lambda i: f"{path}:row {i}", True)
-    else:
-        if "prompt_ids" not in tab.column_names:
-            tab = tab.append_column("prompt_ids", pa.nulls(tab.num_rows, pa.list_(pa.int64())))
-        t = _table_from_arrow(tab)
-    t.meta["line"] = np.arange(1, len(t) + 1)
-    t.meta["file"] = str(path)
-    return t

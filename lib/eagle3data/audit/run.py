@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import orjson
@@ -25,17 +25,17 @@ import pandas as pd
 from eagle3data.audit.checks import (CHECK_NAMES, CHECKS, FAIL, FLAG, NA, NOT_RUN, PASS, Positions, cross_record_checks,
                                      generation_suffix, billed_prompt_checks, iter_checks, on_policy_checks,
                                      structural_checks, suffix_check)
-from eagle3data.audit.idtable import AuditInputError, IdTable, read_journal
-from eagle3data.audit.runtable import concat_tables, empty_table, merge_reconstruct, take_records
+from eagle3data.audit.idtable import IdTable
+from eagle3data.audit.runtable import empty_table, merge_reconstruct, take_records
 from eagle3data.audit.rebuilt import RebuiltIds
-from eagle3data.audit.streamed import LineAudit, RecordFacts, journal_chunks
+from eagle3data.audit.streamed import Chunk, LineAudit, RecordFacts, file_chunks
 from eagle3data.core.atomic import write_atomic
 from eagle3data.core.profiles import Profile, get_profile
 from eagle3data.core.stats import upper95
-from eagle3data.core.models import load_tokenizer, tokenizer_for
+from eagle3data.core.models import tokenizer_for
 from eagle3data.core.params import AuditParams
 from eagle3data.core.reader import COMPLETED
-from eagle3data.core.provenance import RunParamsError, params_of_run, write_provenance
+from eagle3data.core.provenance import write_provenance
 from eagle3data.generate.ledger import read_ledger
 from eagle3data.prompts.load import load_datasets, template_prompt
 
@@ -358,33 +358,48 @@ def audit_table(table: IdTable, profile: Profile, *, tokenizer: Any = None, roun
     return _audit_result(lines, profile, t0, calibration=calibration, flag_only=flag_only, table=table)
 
 
+def audit_chunks(chunks: Iterable[tuple[int, Chunk | int]], run_dir: Path, profile: Profile, *, tokenizer: Any = None,
+                 roundtrip: bool = True, calibration: dict[str, Any] | None = None,
+                 flag_only: tuple[str, ...] | list[str] = FLAG_ONLY) -> AuditResult:
+    """Records files audited a chunk at a time (`streamed.file_chunks`: `(k, Chunk)`, k = 0 where a file begins, and
+    each file's torn tail), 02's rebuilt ids merged in from `run_dir/reconstruct/` as each chunk needs them: memory
+    set by the chunk, not by the files. The run's stage (`audit_run_chunked`) and the CLI (`command.audit_cli`)."""
+    _check_flag_only(flag_only)
+    t0 = time.perf_counter()
+    rebuilt = RebuiltIds(run_dir)
+    lines = _line_audit(profile, tokenizer, roundtrip)
+    for k, c in chunks:
+        if isinstance(c, int):
+            lines.torn_tail_bytes += c
+        else:
+            lines.add(merge_reconstruct(c.table, run_dir, rebuilt), c.starts, new_file=k == 0)
+    if not lines.lines:
+        lines.add(merge_reconstruct(empty_table(), run_dir))
+    return _audit_result(lines, profile, t0, calibration=calibration, flag_only=flag_only, rebuilt=rebuilt,
+                         run_dir=run_dir)
+
+
 def audit_run_chunked(run_dir: Path, profile: Profile, *, tokenizer: Any = None, roundtrip: bool = True,
                       chunk_records: int = 512, calibration: dict[str, Any] | None = None,
                       flag_only: tuple[str, ...] | list[str] = FLAG_ONLY, progress: bool = False) -> AuditResult:
-    """Every journal line of a run (`records/*.jsonl`) audited `chunk_records` lines at a time, with 02's rebuilt
-    ids merged in from `reconstruct/` as each chunk needs them: memory set by the chunk, not by the run."""
+    """Every journal line of a run (`records/*.jsonl`) audited `chunk_records` lines at a time (`audit_chunks`)."""
     from tqdm.auto import tqdm
 
-    _check_flag_only(flag_only)
-    t0 = time.perf_counter()
     paths = sorted((run_dir / "records").glob("*.jsonl"))
-    rebuilt = RebuiltIds(run_dir)
-    lines = _line_audit(profile, tokenizer, roundtrip)
     api = False
-    with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="audit",
-              disable=not progress) as bar:
-        for path in paths:
-            for k, c in enumerate(journal_chunks(path, chunk_records)):
-                if isinstance(c, int):
-                    lines.torn_tail_bytes += c
-                    continue
-                api |= bool((c.table.meta["source"] == "api").any())
-                lines.add(merge_reconstruct(c.table, run_dir, rebuilt), c.starts, new_file=k == 0)
-                bar.update(c.size)
-    if not lines.lines:
-        lines.add(merge_reconstruct(empty_table(), run_dir))
-    result = _audit_result(lines, profile, t0, calibration=calibration, flag_only=flag_only, rebuilt=rebuilt,
-                           run_dir=run_dir)
+
+    def chunks() -> Iterator[tuple[int, Chunk | int]]:
+        nonlocal api
+        with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="audit",
+                  disable=not progress) as bar:
+            for k, c in file_chunks(paths, chunk_records):
+                yield k, c
+                if not isinstance(c, int):
+                    api |= bool((c.table.meta["source"] == "api").any())
+                    bar.update(c.size)
+
+    result = audit_chunks(chunks(), run_dir, profile, tokenizer=tokenizer, roundtrip=roundtrip,
+                          calibration=calibration, flag_only=flag_only)
     if api and not (run_dir / "reconstruct").is_dir():
         result.notes.append("no reconstruct/ folder: API records have no ids until 02_reconstruct runs")
     return result
@@ -434,68 +449,3 @@ def run_audit(params: Any, progress: bool = True, *, tokenizer: Any = None) -> A
     result.skipped_lengths = prompt_length_groups(params, result, tokenizer)
     result.write(run_dir / "audit")
     return result
-
-
-def _cli_tokenizer(tokenizer: str | None, run_dir: Path, profile: Profile) -> tuple[Any, str]:
-    """The tokenizer for the CLI's text checks: `--tokenizer`, else the run's own (its recorded params); and why not."""
-    if tokenizer:
-        return load_tokenizer(tokenizer, trust_remote_code=True, profile=profile), f"tokenizer {tokenizer}"
-    try:
-        params = params_of_run(run_dir)
-    except RunParamsError as e:
-        return None, f"no recorded params of the run ({e}); pass --tokenizer PATH"
-    try:
-        return tokenizer_for(params), f"the run's tokenizer ({params.model.tokenizer_path or params.model.path})"
-    except (OSError, ValueError) as e:
-        return None, f"the run's tokenizer cannot be loaded here ({type(e).__name__}: {str(e).splitlines()[0]}); " \
-                     "pass --tokenizer PATH"
-
-
-def audit_cli(records: str, *, profile: str | None, out: str, tokenizer: str | None = None,
-              allow_failed: bool = False) -> int:
-    """`python -m eagle3data audit RECORDS [--profile NAME] --out DIR [--tokenizer PATH] [--allow-failed]`.
-
-    The profile comes from the records when not given; the tokenizer checks run with `--tokenizer`
-    or the run's own tokenizer (from its recorded params), and the output says which or why not.
-    Exit status: 0 when no record failed, 1 when some did (a CI gate; `--allow-failed` exits 0; a flag is no failure),
-    2 when the input cannot be read (raised: `cli.main` says it in one line).
-    """
-
-    path = Path(records)
-    paths = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    run_dir = path.parent if path.is_dir() else path.parent.parent
-    if not paths:
-        raise AuditInputError(f"{path}: no *.jsonl journals in this folder")
-    tables = [read_journal(p, source_fields=True) for p in paths]
-    table = concat_tables(tables)
-    if table.bad_lines:
-        raise AuditInputError("unreadable lines:\n  " + "\n  ".join(table.bad_lines[:20]))
-    if len(table) == 0:
-        raise AuditInputError(f"{path}: no records")
-    named = sorted({str(p) for p in table.meta["profile"].dropna().unique()})
-    if profile is None:
-        if len(named) != 1:
-            raise AuditInputError(f"{path}: the records name {'no profile' if not named else 'profiles ' + ', '.join(named)}: "
-                                  "pass --profile NAME")
-        profile = named[0]
-    prof = get_profile(profile)
-    table = merge_reconstruct(table, run_dir)
-    tok, why = _cli_tokenizer(tokenizer, run_dir, prof)
-    result = audit_table(table, prof, tokenizer=tok)
-    vp, sp = result.write(out)
-    s = result.summary()
-    print(f"audited {s['records']} records ({s['output_tokens']} output tokens, profile {prof.name}) in "
-          f"{result.seconds:.2f} s: {s['records_failed']} failed, {s['records_truncated']} truncated")
-    print(f"tokenizer checks: {'run with ' + why if tok is not None else 'NOT RUN: ' + why}")
-    if s["superseded_lines"]:
-        print(f"superseded: {s['superseded_lines']} earlier journal line(s) replaced by a later line of the same "
-              "sample (a retried error): not audited")
-    if table.torn_tail_bytes:
-        print(f"torn tail: {table.torn_tail_bytes} bytes after the last complete line (a write cut off): ignored")
-    for name, c in s["checks"].items():
-        if c["failed"]:
-            print(f"  {name}: {c['failed']}/{c['applicable']} failed")
-        if c["flagged"]:
-            print(f"  {name}: {c['flagged']}/{c['applicable']} flagged (audit.flag_only: kept, not failed)")
-    print(f"wrote {vp} and {sp}")
-    return 1 if s["records_failed"] and not allow_failed else 0

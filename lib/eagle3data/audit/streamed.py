@@ -7,7 +7,9 @@ sit, its lengths, its key and metadata, where it is in its journal, a 128-bit ha
 of its prompt (`checks.record_hashes`) and, for a turn record, the hashes of its reply and its
 history (`checks.on_policy_facts`). The chunk's ids and texts are let go. `finish` applies the
 supersede rule to every line's key (`runtable.supersede_lines`) and gives the records' facts, on which
-the checks across records run (`cross_record_checks`, `on_policy_checks`, `billed_prompt_checks`).
+the checks across records run (`cross_record_checks`, `on_policy_checks`, `billed_prompt_checks`). The chunks
+come from `journal_chunks` (one journal's lines) or `file_chunks` (records files one after the other: a run's
+journals for the stage; any journal, folder of journals or .parquet for the CLI, `command`).
 
 Every per-record check depends on its record alone, so the verdicts do not depend on the chunk size:
 `run.audit_table` audits a table held in memory as one chunk, through the same code. (A superseded
@@ -25,8 +27,9 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,7 +38,7 @@ import orjson
 import pandas as pd
 
 from eagle3data.audit.checks import Positions, on_policy_facts, record_hashes
-from eagle3data.audit.idtable import IdTable, read_lines
+from eagle3data.audit.idtable import IdTable, RecordLengths, parquet_tables, read_lines
 from eagle3data.audit.rebuilt import RebuiltIds
 from eagle3data.audit.runtable import merge_reconstruct, supersede_lines
 from eagle3data.audit.textchecks import TextWork, prepare_text_checks, run_text_checks
@@ -97,6 +100,18 @@ def journal_chunks(path: Path, chunk: int) -> Iterator[Chunk | int]:
     yield torn
 
 
+def file_chunks(paths: Iterable[Path], chunk: int) -> Iterator[tuple[int, Chunk | int]]:
+    """Records files in chunks of at most `chunk` lines, file after file: `(k, Chunk)`, k counting each file's chunks
+    from 0, and after each file `(k, torn tail bytes)`. A journal's chunks are `journal_chunks`', a columnar file's
+    (.parquet) its record batches (`idtable.parquet_tables`: rows numbered as lines, no byte offsets, no torn tail)."""
+    for path in paths:
+        if path.suffix == ".parquet":
+            yield from enumerate(chain((Chunk(t, np.full(len(t), -1, np.int64)) for t in parquet_tables(path, chunk)),
+                                       [0]))
+        else:
+            yield from enumerate(journal_chunks(path, chunk))
+
+
 # --------------------------------------------------------------------------- the records' table without ids
 
 
@@ -121,11 +136,11 @@ class _LazyField:
         return getattr(self.facts.row(i), self.name)[0]
 
 
-class RecordFacts:
-    """The run's records as `IdTable` is read by the summary, plots and check table: metadata, lengths and
-    presence of ids, bad lines and the torn tail, without the ids or texts. `row(i)` reads record i back from
-    its journal line (02's rebuilt ids merged), for the inspector: `output_ids(i)`, `prompt_ids(i)` and the
-    text fields (`messages[i]`, ...) go through it."""
+class RecordFacts(RecordLengths):
+    """The run's records as `IdTable` is read by the summary, plots and check table: metadata, lengths (by their
+    offsets, as `IdTable`'s: `RecordLengths`) and presence of ids, bad lines and the torn tail, without the ids or
+    texts. `row(i)` reads record i back from its journal line (02's rebuilt ids merged), for the inspector:
+    `output_ids(i)`, `prompt_ids(i)` and the text fields (`messages[i]`, ...) go through it."""
 
     def __init__(self, meta: pd.DataFrame, prompt_len: np.ndarray, output_len: np.ndarray, has_prompt: np.ndarray,
                  has_output: np.ndarray, starts: np.ndarray, rebuilt: RebuiltIds | None, run_dir: Path | None) -> None:
@@ -139,17 +154,6 @@ class RecordFacts:
         self._rows: OrderedDict[int, IdTable] = OrderedDict()
         for name in SOURCE_FIELDS:
             setattr(self, name, _LazyField(self, name))
-
-    def __len__(self) -> int:
-        return len(self.meta)
-
-    @property
-    def output_len(self) -> np.ndarray:
-        return np.diff(self.output_off)
-
-    @property
-    def prompt_len(self) -> np.ndarray:
-        return np.diff(self.prompt_off)
 
     @property
     def n_tokens(self) -> int:
