@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := true
 
 .DEFAULT_GOAL := help
-.PHONY: help install model engine run value value-all test bench lab notebooks golden clean
+.PHONY: help install model engine run value value-all value-peers test bench lab notebooks golden clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -76,6 +76,9 @@ value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yam
 
 value-all: model engine ## 06's full table: value's variants plus int8, fp8 and online, all through the engine (params/value_all.yaml into outputs/value_all/; hours; docs/06)
 	$(BIN)/python -m eagle3data run params/value_all.yaml
+
+value-peers: model engine ## 06 on the peers' text paths: exact against text_rule (TorchSpec/Model-Optimizer) and template_other (SpecForge's qwen template), all through the engine (params/value_peers.yaml into outputs/value/; docs/06)
+	$(BIN)/python -m eagle3data run params/value_peers.yaml
 
 test: model engine sglang ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
 	$(BIN)/python -m pytest -q tests

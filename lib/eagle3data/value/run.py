@@ -482,7 +482,7 @@ def run_value(params: RunParams, *, say: Callable[[str], None] | None = None,
                             | ({"online": r["online"]} if "online" in r else {})
                             | ({"data": {k: r["data"].get(k) for k in ("records", "api_records", "proof_levels",
                                                                         "ids_differ_from_exact", "ids_differ_from_sampled",
-                                                                        "generate", "audit", "mix",
+                                                                        "generate", "audit", "mix", "peer",
                                                                         "extract", "seconds") if k in r["data"]}}
                                if r.get("data") else {})
                             | ({"engine_temperatures": r.get("engine_temperatures")})

@@ -20,7 +20,10 @@ ones) and made into a speculators hand-off by 02, 04 and 05 with params, as a us
 - `fp8`: 04 with `hidden.storage: fp8_e4m3`, `storage_scale: token`, layout speculators (hs-connectors' FP8 files,
   read through FP8Transfer);
 - `online`: 05's `export/speculators_online/` as it is (exact's ids, no states): `value.online` trains on it with the
-  states generated during training by a vLLM server.
+  states generated during training by a vLLM server;
+- `text_rule`, `template_other`: exact's training rows as a peer's text path makes them from the conversation text
+  (TorchSpec's and Model-Optimizer's rule; SpecForge's `data.train_data_path` with its `qwen` template), written
+  where 02 writes rebuilt ids (value/peer_variants.py: proof `text`, 04's `min_proof_level` `text`) -> 04 -> 05.
 
 Variants whose data the target generates again, by 01 in `value/<variant>/gen_<hash>/` (a run folder per
 sampling settings: 01 resumes there), the training conversations' records then going through 03 -> 04 -> 05 in `value/<variant>/run/`:
@@ -70,6 +73,7 @@ from eagle3data.hidden.verify.checks import NOT_SAMPLED
 from eagle3data.prompts.load import load_datasets
 from eagle3data.rebuild.run import run_reconstruct, turns_from_exact
 from eagle3data.value.online import handoff_fingerprint, online_handoff
+from eagle3data.value.peer_variants import PEER_VARIANTS, api_records, peer_run
 from eagle3data.value.train import ValueStageError, ValueStopped
 
 VARIANTS = {
@@ -89,6 +93,10 @@ VARIANTS = {
                            "those ids (compared with sampled)",
     "double": "twice the prompts (each dataset's limit doubled: the run's and as many new ones), greedy, by 01, 03, "
               "04, 05 (the data-size curve)",
+    "text_rule": "the conversations as TorchSpec tokenizes them (the target's template as text, encoded; its "
+                 "assistant mask: value/text_rule.py), states by 04 for those ids",
+    "template_other": "the conversations as SpecForge's data.train_data_path tokenizes them with its own template "
+                      "registry (qwen: another system prompt than the served one), states by 04 for those ids",
 }
 GENERATED = ("sampled", "double")        # 01 makes their records again
 # the variant a derived one is compared with, where that is not exact (paired over the same evaluation prompts)
@@ -117,6 +125,8 @@ def variant_params(params: RunParams, variant: str) -> RunParams:
     export: dict[str, Any] = {"formats": ["speculators"]}
     if variant == "dataset_replies":
         hidden["min_proof_level"] = "text"  # replies nobody billed: 02 proves the text, no count
+    elif variant in PEER_VARIANTS:
+        hidden["min_proof_level"] = "text"  # a peer's rows: 02 proved nothing of them (proof `text`: peer_variants)
     elif variant in ("retokenized", "sampled_retokenized"):
         # a user who re-tokenizes API text trains on every rebuilt record: a non-canonical split re-encodes to another
         # count than the API billed (02's proof then stops at `text`), and dropping those rows would price the
@@ -147,17 +157,6 @@ def variant_params(params: RunParams, variant: str) -> RunParams:
     return RunParams.model_validate(data)
 
 
-def _api_records(recs: list[dict[str, Any]], texts: list[Any], provider: str) -> list[dict[str, Any]]:
-    """Records as an API run writes them: text fields, no ids (02 rebuilds them)."""
-    out = []
-    for r, t in zip(recs, texts):
-        a = {k: v for k, v in r.items() if k not in ("prompt_ids", "output_ids", "ids_exact", "logprobs")}
-        a |= {"source": "api", "provider": provider, "reasoning": t["reasoning"], "content": t["content"],
-              "tool_calls": t["tool_calls"], "finish_reason": t["finish_reason"], "usage": t["usage"]}
-        out.append(a)
-    return out
-
-
 def variant_records(params: RunParams, variant: str, train_keys: list[str], *, source: Path | None = None,
                     held: frozenset[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """The training conversations' records of the run (or of `source`, a run folder 01 or another variant made),
@@ -175,7 +174,7 @@ def variant_records(params: RunParams, variant: str, train_keys: list[str], *, s
             exact = [r for r in recs if r.get("output_ids") is not None]
             tok, profile = tok or tokenizer_for(params), profile or get_profile(params.profile)
             turns = turns_from_exact(exact, tok, profile)  # 02's one split of output ids into API text
-            recs = _api_records(exact, [{"reasoning": t.reasoning, "content": t.content, "tool_calls": t.tool_calls,
+            recs = api_records(exact, [{"reasoning": t.reasoning, "content": t.content, "tool_calls": t.tool_calls,
                                          "finish_reason": r["finish_reason"], "usage": r.get("usage")}
                                         for r, t in zip(exact, turns)], variant)
         elif variant == "dataset_replies":
@@ -189,7 +188,7 @@ def variant_records(params: RunParams, variant: str, train_keys: list[str], *, s
                                       "reply): variant dataset_replies needs a dataset whose rows end with an "
                                       "assistant reply")
             recs = [r | {"sampling": None} for r in  # the target sampled none of it
-                    _api_records(with_reply, [{"reasoning": None, "content": got[str(r["sample_id"])][0],
+                    api_records(with_reply, [{"reasoning": None, "content": got[str(r["sample_id"])][0],
                                                "tool_calls": got[str(r["sample_id"])][1],
                                                "finish_reason": "stop", "usage": None} for r in with_reply],
                                  NOT_SAMPLED)]
@@ -290,8 +289,12 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
     elif base is not None:
         source = base.handoff.parents[1]  # the run folder the base variant's 05 exported
     (vrun / "records").mkdir(parents=True, exist_ok=True)
-    recs = variant_records(params, variant, base_keys or train_keys, source=source,
-                           held=held if variant in GENERATED else None)
+    if variant in PEER_VARIANTS:  # the peer's rows as 02's lines, the records as an API writes them (peer_variants)
+        check_stop("the peer's rows")
+        recs, info["peer"] = peer_run(params, variant, train_keys, vrun, say)
+    else:
+        recs = variant_records(params, variant, base_keys or train_keys, source=source,
+                               held=held if variant in GENERATED else None)
     for name, rs in recs.items():
         write_atomic(vrun / "records" / f"{name}.jsonl", b"".join(orjson.dumps(r) + b"\n" for r in rs))
     info["records"] = {n: len(r) for n, r in recs.items()}
@@ -333,8 +336,9 @@ def build_variant(params: RunParams, variant: str, train_keys: list[str], say: C
     check_stop("05")
     say(f"{variant}: 05 writes the speculators hand-off")
     run_export(vp)
-    if variant == "retokenized":  # 0: the same ids as exact's, so its Δτ is the noise of a second 04 and training
-        info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff)
+    if variant == "retokenized" or variant in PEER_VARIANTS:  # retokenized 0: exact's ids, Δτ a second 04's noise
+        info["ids_differ_from_exact"] = ids_differ(params.run_dir / "export" / "speculators", handoff) | (
+            {"kinds": info["peer"]["kinds"]} if variant in PEER_VARIANTS else {})  # a peer's kinds: to the summary
     if base is not None:  # the rows whose rebuilt ids are not the ids the target sampled
         info[f"ids_differ_from_{MADE_FROM[variant]}"] = ids_differ(base.handoff, handoff)
     info["seconds"] = round(time.monotonic() - t0, 1)
