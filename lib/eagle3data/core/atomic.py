@@ -7,7 +7,8 @@ mode matters because some writers create their file 0600 whatever the umask (saf
 0.8's `save_file` writes through a private temp file), and a trainer run as another user or
 in a container with another uid could not read it. `write_atomic(path, data)` is the bytes case;
 `follow_umask(folder)` mends a folder another library wrote (transformers' `save_pretrained`
-writes its weights 0600 through safetensors) before it is renamed into place.
+writes its weights 0600 through safetensors) before it is renamed into place. `tmp_tag()` is the temp suffix
+unique to this process on this host, for files several workers may write at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def umask_mode() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def tmp_tag() -> str:
+    """A temp-file suffix unique to this process on this host (workers on a shared disk write the same files)."""
+    import socket
+
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 @contextlib.contextmanager

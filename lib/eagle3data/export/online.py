@@ -9,7 +9,8 @@ the trainer asks a serving engine for each row's states with the row's own ids.
   (`speculators.data_generation.preprocessing.build_speculator_training_dataset`, whose
   `_passthrough_pretokenized` keeps rows with `input_ids` and `loss_mask` as they are, cut to
   `--seq-length`, dropping a row with nothing supervised), a chunk of rows at a time, and saved in the
-  layout `prepare-data`'s `save_to_disk` writes (datasets' own ArrowWriter, a file per 500 MB); called
+  layout `prepare-data`'s `save_to_disk` writes (datasets' own ArrowWriter, a file per 500 MB, through
+  `trainers.speculators.DatasetShards`, the offline hand-off's writer too); called
   directly rather than through `load_and_preprocess_dataset`, which shuffles, so that row i is mix
   row i (the trainer shuffles itself). No `hidden_states/`: with `--on-missing generate` its loader
   posts each row's ids to the vLLM server (`/v1/completions`, `max_tokens: 1`, `return_token_ids`),
@@ -55,10 +56,10 @@ from eagle3data.generate.backends.vllm_server import model_dir
 from eagle3data.hidden import capture
 from eagle3data.hidden.engines.vllm_capture import engine_layer_ids, files_dir, hidden_command
 from eagle3data.export.rows import chunks_of, keys_of, lengths_of
-from eagle3data.hidden.mix import hidden_dir, tmp_tag
+from eagle3data.hidden.mix import hidden_dir
 from eagle3data.hidden.store.format import INFO_FILE
 from eagle3data.trainers.specforge import VOCAB_FILE, save_vocab_mapping, write_config
-from eagle3data.trainers.speculators import Speculators
+from eagle3data.trainers.speculators import DatasetShards, Speculators, rows_dataset
 
 HANDOFF = "handoff.json"
 PROMPTS_FILE = "prompts.jsonl"
@@ -188,79 +189,6 @@ def capture_server(params: Any, layers: AuxLayers, max_length: int) -> dict[str,
 # ---------------------------------------------------------------- speculators
 
 
-class _Shards:
-    """The `datasets` folder `Dataset.save_to_disk` writes (`data-XXXXX-of-NNNNN.arrow` by datasets' own ArrowWriter, a
-    new file past its MAX_SHARD_SIZE, `state.json`, `dataset_info.json`), filled a chunk's dataset at a time: each
-    file under a temp name until all are written, then renamed over the old ones."""
-
-    def __init__(self, out: Path) -> None:
-        from datasets import config
-        from datasets.utils.py_utils import convert_file_size_to_int
-
-        self.out, self.tag, self.limit = out, tmp_tag(), convert_file_size_to_int(config.MAX_SHARD_SIZE)
-        self.files: list[Path] = []
-        self.writer, self.size, self.first, self.last = None, 0, None, None
-        for old in out.glob("data-*.arrow.tmp*"):  # a killed run's
-            old.unlink()
-
-    def add(self, ds: Any) -> None:
-        self.last = ds
-        if not len(ds):
-            return
-        self.first = self.first or ds
-        t = ds.with_format("arrow")[:]
-        sizes = 16 * np.asarray(t.column("seq_len").to_numpy(), dtype=np.int64) + 16  # int64 ids and mask per token
-        at = 0
-        while at < len(t):
-            if self.writer is None:
-                self._open(ds)
-            cum = self.size + np.cumsum(sizes[at:])
-            full = np.flatnonzero(cum >= self.limit)
-            end = at + (int(full[0]) + 1 if len(full) else len(cum))
-            self.writer.write_table(t.slice(at, end - at))
-            self.size, at = int(cum[end - at - 1]), end
-            if len(full):
-                self._close()
-
-    def _open(self, ds: Any) -> None:
-        from datasets.arrow_writer import ArrowWriter
-
-        self.files.append(self.out / f"data-{len(self.files):05d}.arrow{self.tag}")
-        self.writer, self.size = ArrowWriter(features=ds.features, path=str(self.files[-1]), embed_local_files=True), 0
-
-    def _close(self) -> None:
-        self.writer.finalize()
-        self.writer.close()
-        self.writer = None
-
-    def abort(self) -> None:
-        """Stopped before the end: this run's temp files go, the folder's files stay as they were."""
-        if self.writer is not None:
-            self.writer.close()
-        for f in self.files:
-            f.unlink(missing_ok=True)
-
-    def finish(self, fingerprint: str) -> None:
-        from datasets.utils.py_utils import asdict  # save_to_disk's own (leaves out what is None)
-
-        if self.writer is None and not self.files:
-            self._open(self.last)  # no row at all: one empty file, as save_to_disk writes
-        if self.writer is not None:
-            self._close()
-        ds, n = self.first or self.last, len(self.files)
-        for old in self.out.glob("data-*.arrow"):
-            old.unlink()
-        for i, f in enumerate(self.files):
-            os.chmod(f, umask_mode())
-            os.replace(f, self.out / f"data-{i:05d}-of-{n:05d}.arrow")
-        state = {k: ds.__dict__[k] for k in ("_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")}
-        state |= {"_fingerprint": fingerprint, "_split": None if ds.split is None else str(ds.split),
-                  "_data_files": [{"filename": f"data-{i:05d}-of-{n:05d}.arrow"} for i in range(n)]}
-        info = asdict(ds.info)
-        write_atomic(self.out / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
-        write_atomic(self.out / "dataset_info.json", json.dumps({k: info[k] for k in sorted(info)}, indent=2).encode())
-
-
 class _Speculators:
     """speculators' `datasets` folder of the rows, a chunk at a time (`add`), through its own prepare-data function (its
     own library), each chunk checked row by row against the window rule; without speculators installed, the same rows
@@ -272,22 +200,17 @@ class _Speculators:
         except ImportError:
             build = None
         self.build, self.made_by = build, FALLBACK_MADE_BY if build is None else SPECULATORS_MADE_BY
-        self.L, self.procs, self.shards, self.done = max_length, procs, _Shards(out), 0
+        self.L, self.procs, self.shards, self.done = max_length, procs, DatasetShards(out), 0
         self.digest = hashlib.blake2b(digest_size=8)
 
     def add(self, chunk: Sequence[Any]) -> None:
-        from datasets import Dataset, Features, Sequence as Seq, Value
+        from datasets import Dataset
 
         L = self.L
         kept = [s for s in chunk if sum(s.loss_mask[:L])]
         self.digest.update("".join(f"{s.key}\n" for s in kept).encode())
         if self.build is None:
-            feats = Features({"input_ids": Seq(Value("int64")), "loss_mask": Seq(Value("int64")),
-                              "seq_len": Value("int64")})
-            ds = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids[:L])) for s in kept],
-                                    "loss_mask": [list(map(int, s.loss_mask[:L])) for s in kept],
-                                    "seq_len": [min(len(s.input_ids), L) for s in kept]}, features=feats)
-            self.shards.add(ds.with_format("torch"))
+            self.shards.add(rows_dataset(kept, L))
             self.done += len(kept)
             return
         raw = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids)) for s in chunk],

@@ -8,14 +8,23 @@ applies the verifier's norm itself) and `token_ids` int64 [n] (row i <-> file i)
 per-sample file (layout `speculators`) is that file, plus `loss_mask` uint8 [n], `post_norm`
 [n, H] when stored and its `eagle3data` description. Its training CLI discovers
 `d2t-<N>.npy` / `t2d-<N>.npy` in the data folder for `--draft-vocab-size N`.
+
+The `datasets` folder is written a chunk of rows at a time (`write_dataset`, `DatasetShards`: datasets' own
+ArrowWriter in `save_to_disk`'s layout), so neither 05's offline hand-off nor its online one
+(`export/online.py`, through the same writer) holds the run's ids.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from eagle3data.core.atomic import atomic_path
+import numpy as np
+
+from eagle3data.core.atomic import atomic_path, tmp_tag, umask_mode, write_atomic
 from eagle3data.core.quant import quantize
 from eagle3data.trainers.base import AUX_STATES, HandoffError, Trainer
 
@@ -104,7 +113,6 @@ class Speculators(Trainer):
             return (f.metadata() or {}).get("eagle3data")
 
     def write_export_vocab(self, out: Path, d2t: Any, t2d: Any, counts: Any) -> dict[str, str]:
-        import numpy as np
         import torch
 
         nz = np.flatnonzero(counts)
@@ -116,9 +124,7 @@ class Speculators(Trainer):
 
     def write_handoff_files(self, out: Path, samples: Sequence[Any], d2t: Any, t2d: Any, params: Any,
                             model_dir: Callable[[], Path | None]) -> tuple[dict[str, str], dict[str, Any]]:
-        import numpy as np
-
-        write_dataset(samples, out)
+        write_dataset(samples, out)  # a chunk of rows at a time: `samples` is 05's Selection or a list
         n = len(d2t)
         np.save(out / f"d2t-{n}.npy", np.ascontiguousarray(d2t, dtype=np.int64))
         np.save(out / f"t2d-{n}.npy", np.ascontiguousarray(t2d, dtype=bool))
@@ -129,14 +135,110 @@ class Speculators(Trainer):
         return files, {}
 
 
-def write_dataset(samples: Sequence[Any], out: Path) -> None:
-    """The `datasets` folder speculators' ArrowDataset loads: input_ids, loss_mask, seq_len in torch format."""
+def rows_dataset(samples: Sequence[Any], max_length: int | None = None) -> Any:
+    """Rows as the `datasets` Dataset speculators' ArrowDataset reads, torch format: `input_ids`, `loss_mask` (int64
+    lists) and `seq_len`, each row cut to `max_length` (None: whole)."""
     from datasets import Dataset, Features, Sequence as Seq, Value
 
     feats = Features({"input_ids": Seq(Value("int64")), "loss_mask": Seq(Value("int64")), "seq_len": Value("int64")})
-    ds = Dataset.from_dict({"input_ids": [list(map(int, s.input_ids)) for s in samples],
-                            "loss_mask": [list(map(int, s.loss_mask)) for s in samples],
-                            "seq_len": [len(s.input_ids) for s in samples]}, features=feats)
-    for old in out.glob("data-*.arrow"):
-        old.unlink()
-    ds.with_format("torch").save_to_disk(str(out))
+    ids = [list(map(int, s.input_ids[:max_length])) for s in samples]
+    return Dataset.from_dict({"input_ids": ids, "loss_mask": [list(map(int, s.loss_mask[:max_length])) for s in samples],
+                              "seq_len": [len(x) for x in ids]}, features=feats).with_format("torch")
+
+
+def write_dataset(rows: Any, out: Path, chunk_rows: int = 256) -> None:
+    """The `datasets` folder speculators' ArrowDataset loads (`rows_dataset`'s columns), written a chunk of rows at a
+    time through `DatasetShards`: `rows` is 05's Selection (its `chunks()`, read as they are written) or a sequence of
+    samples (`chunk_rows` at a time). Its fingerprint is the rows' keys, ids and masks."""
+    chunks = rows.chunks() if hasattr(rows, "chunks") else (rows[i:i + chunk_rows]
+                                                            for i in range(0, len(rows), max(1, chunk_rows)))
+    shards, digest = DatasetShards(out), hashlib.blake2b(digest_size=8)
+    try:
+        for chunk in chunks:
+            for s in chunk:
+                digest.update(f"{s.key}\n".encode())
+                digest.update(np.asarray(s.input_ids, dtype=np.int64).tobytes())
+                digest.update(np.asarray(s.loss_mask, dtype=np.int64).tobytes())
+            shards.add(rows_dataset(chunk))
+        if shards.last is None:  # no row at all: an empty dataset of these columns
+            shards.add(rows_dataset([]))
+        shards.finish(digest.hexdigest())
+    except BaseException:
+        shards.abort()
+        raise
+
+
+class DatasetShards:
+    """The `datasets` folder `Dataset.save_to_disk` writes (`data-XXXXX-of-NNNNN.arrow` by datasets' own ArrowWriter, a
+    new file past its MAX_SHARD_SIZE, `state.json`, `dataset_info.json`), filled a chunk's dataset at a time (`add`, in
+    order; rows of `input_ids`, `loss_mask` and `seq_len`): each file under a temp name until all are written
+    (`finish`), then renamed over the old ones; `abort` removes them. What 05's offline and online speculators
+    hand-offs write their rows through."""
+
+    def __init__(self, out: Path) -> None:
+        from datasets import config
+        from datasets.utils.py_utils import convert_file_size_to_int
+
+        self.out, self.tag, self.limit = out, tmp_tag(), convert_file_size_to_int(config.MAX_SHARD_SIZE)
+        self.files: list[Path] = []
+        self.writer, self.size, self.first, self.last = None, 0, None, None
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("data-*.arrow.tmp*"):  # a killed run's
+            old.unlink()
+
+    def add(self, ds: Any) -> None:
+        self.last = ds
+        if not len(ds):
+            return
+        self.first = self.first or ds
+        t = ds.with_format("arrow")[:]
+        sizes = 16 * np.asarray(t.column("seq_len").to_numpy(), dtype=np.int64) + 16  # int64 ids and mask per token
+        at = 0
+        while at < len(t):
+            if self.writer is None:
+                self._open(ds)
+            cum = self.size + np.cumsum(sizes[at:])
+            full = np.flatnonzero(cum >= self.limit)
+            end = at + (int(full[0]) + 1 if len(full) else len(cum))
+            self.writer.write_table(t.slice(at, end - at))
+            self.size, at = int(cum[end - at - 1]), end
+            if len(full):
+                self._close()
+
+    def _open(self, ds: Any) -> None:
+        from datasets.arrow_writer import ArrowWriter
+
+        self.files.append(self.out / f"data-{len(self.files):05d}.arrow{self.tag}")
+        self.writer, self.size = ArrowWriter(features=ds.features, path=str(self.files[-1]), embed_local_files=True), 0
+
+    def _close(self) -> None:
+        self.writer.finalize()
+        self.writer.close()
+        self.writer = None
+
+    def abort(self) -> None:
+        """Stopped before the end: this run's temp files go, the folder's files stay as they were."""
+        if self.writer is not None:
+            self.writer.close()
+        for f in self.files:
+            f.unlink(missing_ok=True)
+
+    def finish(self, fingerprint: str) -> None:
+        from datasets.utils.py_utils import asdict  # save_to_disk's own (leaves out what is None)
+
+        if self.writer is None and not self.files:
+            self._open(self.last)  # no row at all: one empty file (save_to_disk writes none: load_from_disk fails)
+        if self.writer is not None:
+            self._close()
+        ds, n = self.first or self.last, len(self.files)
+        for old in self.out.glob("data-*.arrow"):
+            old.unlink()
+        for i, f in enumerate(self.files):
+            os.chmod(f, umask_mode())
+            os.replace(f, self.out / f"data-{i:05d}-of-{n:05d}.arrow")
+        state = {k: ds.__dict__[k] for k in ("_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")}
+        state |= {"_fingerprint": fingerprint, "_split": None if ds.split is None else str(ds.split),
+                  "_data_files": [{"filename": f"data-{i:05d}-of-{n:05d}.arrow"} for i in range(n)]}
+        info = asdict(ds.info)
+        write_atomic(self.out / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
+        write_atomic(self.out / "dataset_info.json", json.dumps({k: info[k] for k in sorted(info)}, indent=2).encode())

@@ -21,14 +21,13 @@ and the rule keeps only small facts per sample (`rows.Entry`: key, lengths, a di
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import orjson
 
-from eagle3data.core.atomic import atomic_path, write_atomic
+from eagle3data.core.atomic import atomic_path, tmp_tag, write_atomic
 from eagle3data.core.params import RunParams
 from eagle3data.core.reader import RunFileError, RunView, Sample, SampleKey, read_run
 from eagle3data.hidden.mix.rows import Entry, RunRows, entry, last_turns, turn_figures
@@ -377,13 +376,6 @@ def _manifest(params: RunParams, entries: list[Entry], dropped: list[dict[str, A
         "weights": shares,
         **{k: c[k] for k in ("dropped_counts", "drop_reasons", "dropped")},
     }
-
-
-def tmp_tag() -> str:
-    """A temp-file suffix unique to this process on this host (workers on a shared disk write the same files)."""
-    import socket
-
-    return f".tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 def write_mix(mix: Mix, out_dir: Path) -> Path:

@@ -10,10 +10,9 @@ from typing import Any, Sequence
 
 import orjson
 
-from eagle3data.core.atomic import atomic_path, write_atomic
+from eagle3data.core.atomic import atomic_path, tmp_tag, write_atomic
 from eagle3data.core.quant import StateCodec
 from eagle3data.core.reader import Sample, SampleKey
-from eagle3data.hidden.mix import tmp_tag
 from eagle3data.hidden.store.checksum import ALGORITHM, ids_digest, store_checksums
 from eagle3data.hidden.store.format import (INDEX_COLUMNS, INDEX_FILE, INFO_FILE, OLD_STATES, SHARD_SUFFIX, HiddenError,
                                            read_shard_meta, sample_dir, shard_dir, stored_bytes_per_token)

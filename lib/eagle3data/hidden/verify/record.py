@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from eagle3data.hidden.mix import tmp_tag
+from eagle3data.core.atomic import tmp_tag
 from eagle3data.hidden.store.format import INDEX_FILE, INFO_FILE
 
 
