@@ -77,7 +77,7 @@ value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yam
 value-all: model engine ## 06's full table: value's variants plus int8, fp8 and online, all through the engine (params/value_all.yaml into outputs/value_all/; hours; docs/06)
 	$(BIN)/python -m eagle3data run params/value_all.yaml
 
-value-peers: model engine ## 06 on the peers' text paths: exact against text_rule (TorchSpec/Model-Optimizer) and template_other (SpecForge's qwen template), all through the engine (params/value_peers.yaml into outputs/value/; docs/06)
+value-peers: model engine ## 06 on the peers' text paths: exact against text_rule (TorchSpec's text path) and template_other (SpecForge's qwen template), all through the engine (params/value_peers.yaml into outputs/value/; docs/06)
 	$(BIN)/python -m eagle3data run params/value_peers.yaml
 
 test: model engine sglang ## run the whole suite: pytest (unit, loopback HTTP, papermill) and the nbval notebook regressions
