@@ -199,3 +199,26 @@ def test_lines_the_fast_parser_refuses_read_as_the_stdlib_reads_them(tmp_path):
     assert not ps.skipped
     assert [p.messages[0]["content"] for p in ps.prompts] == [json.loads(x)["messages"][0]["content"] for x in lines]
     assert ps.prompts[1].sample_id == 123456789012345678901234567890
+
+
+def test_01s_plan_holds_of_a_last_turn_prompt_only_what_it_sends(tmp_path):
+    """turns: last sends a prompt's messages and tools and journals neither the row's other turns nor its
+    card fields (`meta`, the dataset's own reply among them): the plan drops both, so 01 holds at 88,000
+    prompts what it sends. turns: all replays the row's turns, so its conversations are kept whole."""
+    from eagle3data.generate.plan import plan_run
+    from eagle3data.prompts.load import load_prompts
+
+    src = REPO / "tests/fixtures/formats/ultrachat_200k.jsonl"
+    whole = {p.sample_id: p for p in load_prompts(src, "u", "ultrachat").prompts}
+    assert any(p.meta.get("reference_reply") for p in whole.values())
+    assert any(p.conversation for p in whole.values())  # the fixture has multi-turn rows
+    last = plan_run(_ci_params(tmp_path, [{"name": "u", "path": str(src), "format": "ultrachat"}]), None, None,
+                    template=False)
+    assert {p.sample_id for p, _ in last.pending} == set(whole)
+    for p, ids in last.pending:
+        assert ids is None and p.meta == {} and p.conversation is None
+        assert (p.messages, p.tools) == (whole[p.sample_id].messages, whole[p.sample_id].tools)
+    every = plan_run(_ci_params(tmp_path / "b", [{"name": "u", "path": str(src), "format": "ultrachat",
+                                                  "turns": "all"}]), None, None, template=False)
+    assert {sid: c.prompt.conversation for (_, sid), c in every.conversations.items()} == \
+        {str(k): p.conversation for k, p in whole.items()}

@@ -70,6 +70,8 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
             raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')} already holds {len(scan.records)} records "
                              "and generate.resume is false: use a new run_name (journals are never rewritten)")
         all_turns = modes[name] == "all"
+        if not all_turns:
+            _drop_unsent(ps)
         other = next((r for r in scan.records if (r.get("turn") is None) == all_turns), None)
         if other is not None:
             raise ValueError(f"{run_dir / 'records' / (name + '.jsonl')}: record {other['sample_id']!r} was generated "
@@ -104,6 +106,15 @@ def plan_run(params: RunParams, tokenizer: Any, profile: Any, *, template: bool 
                 continue
             pending.append((p, ids))
     return RunPlan(ledger, pending, done_keys, torn, bad, convs)
+
+
+def _drop_unsent(ps: PromptSet) -> None:
+    """turns: last: a prompt's request is its messages and tools; the source row's other turns
+    (`conversation`) and card fields (`meta`, the dataset's own reply among them) are never sent nor
+    journaled, so the plan drops them: at the seeds' 88,000 prompts they were most of what 01 held."""
+    for p in ps.prompts:
+        p.conversation = None
+        p.meta = {}
 
 
 # what the plan and the ledger read of a journaled record of a last-turn dataset (`DatasetLedger.add_record`)

@@ -99,8 +99,11 @@ def _reserve(params: RunParams, ids: list[int]) -> int:
 
 
 def _jobs(params: RunParams, plan: RunPlan) -> list:
+    """The plan's pending prompts as the engine's jobs; the plan lets go of them, so a prompt is freed once its
+    job is dispatched (the engine drops each job it sends) rather than held to the end of the run."""
     jobs = []
-    for p, ids in plan.pending:
+    pending, plan.pending = plan.pending, []
+    for p, ids in pending:
         conv = plan.conversations.get((p.dataset, str(p.sample_id)))
         jobs.append(Job(p.dataset, p.sample_id, p.messages, p.tools, ids, reserve=_reserve(params, ids) if ids else 0,
                         prompt=p, turn=None if conv is None else conv.turn, conversation=conv))
