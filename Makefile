@@ -67,8 +67,9 @@ $(SGLANG_STAMP): engines/sglang-requirements.txt engines/sglang_cpu_stub/pyproje
 
 sglang: $(SGLANG_STAMP) ## build the SGLang engine venv (.sglang/, sglang==0.5.23 + CPU stand-in kernels, 6.2 GB) the real-server tests start
 
-run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another)
+run: model ## run the four notebooks on params/embedded.yaml into outputs/embedded/ (PARAMS=... for another), then say whether README's make-run section agrees with it
 	$(BIN)/python -m eagle3data run $(PARAMS)
+	@if [ "$(PARAMS)" = "params/embedded.yaml" ]; then $(BIN)/python tools/readme_run.py outputs/embedded || true; fi
 
 VALUE_PARAMS ?= params/value.yaml
 value: model engine ## stage 06's embedded default: 01 -> 06 on params/value.yaml into outputs/value/ (drafts trained per variant and seed, τ at T = 0 and 1; docs/06)

@@ -11,6 +11,7 @@ non-zero exit; `--debug` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -102,10 +103,13 @@ def test_signal_mid_run_stops_gracefully_and_resume_completes(tmp_path, sig):
     assert led["status"] == "stopped" and sig.name in led["stop_reason"]
     assert d["cancelled"] == 0 and d["done"] == len(recs) < n
     assert (run_dir / "notebooks" / "01_generate.ipynb").exists() and not (run_dir / "STOP").exists()
+    assert not (run_dir / "stage_times.json").exists()  # a stopped stage has no time of a completed run
 
     with LoopbackServer("openai") as srv:  # resume: a new server on a new port, the rest of the prompts
         res = _run("run", *_args(tmp_path, srv, n))
     assert res.returncode == 0, res.stderr
+    took = json.loads((run_dir / "stage_times.json").read_text())["01_generate"]
+    assert f" done in {took} s -> " in res.stdout  # the time README's make-run section shows, as printed
     recs = _records(run_dir)
     assert sorted(r["sample_id"] for r in recs) == list(range(n))  # every sample exactly once
     led = assert_ledger_adds_up(run_dir)

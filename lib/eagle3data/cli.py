@@ -69,6 +69,24 @@ class StageFailed(UserError):
     status = 1
 
 
+STAGE_TIMES = "stage_times.json"  # <run>/stage_times.json: each stage's last completed `run`, as printed
+
+
+def _record_stage_time(run_dir: Path, stage: str, took: str) -> None:
+    """Keep the stage's wall time as `run` printed it (`N s`, kernel start included), for `tools/readme_run.py`."""
+    import json
+
+    from eagle3data.core.atomic import write_atomic
+
+    path = run_dir / STAGE_TIMES
+    try:
+        times = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        times = {}
+    times[stage] = int(took.split()[0])
+    write_atomic(path, json.dumps(times, indent=1).encode())
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from eagle3data.generate.run import CLI_RUN_ENV  # 01's module (its HTTP stack) only when `run` runs
 
@@ -156,6 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     break
                 return _report_stop(args, control, stages[n:], run_dir, stage)
             print(f"{lead} done in {took} -> {html}")
+            _record_stage_time(run_dir, stage, took)
             if stage == "01_generate":
                 for line in rejected_prompt_report(run_dir):
                     print(line)
