@@ -21,6 +21,7 @@ import orjson
 import pandas as pd
 
 from eagle3data.core.errors import UserInputError
+from eagle3data.core.records import record_object
 
 
 class AuditInputError(UserInputError, ValueError):
@@ -141,17 +142,9 @@ def _read_orjson(path: Path, data: bytes, source_fields: bool, first_line: int =
     for lineno, line in enumerate(data.splitlines(), start=first_line + 1):
         if not line.strip():
             continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError as e:
-            bad.append(f"{path}:{lineno}: not JSON ({e})")
-            continue
-        if not isinstance(obj, dict):
-            bad.append(f"{path}:{lineno}: line is not a JSON object")
-            continue
-        missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
-        if missing:
-            bad.append(f"{path}:{lineno}: missing field(s) {', '.join(missing)}")
+        obj, why = record_object(line, f"{path}:{lineno}")
+        if obj is None:
+            bad.append(why)
             continue
         objs.append(obj)
         lines.append(lineno)
@@ -293,20 +286,6 @@ def _flat_ids(n: int, parsed: tuple[np.ndarray, np.ndarray, np.ndarray], other: 
     return flat, off, has
 
 
-def _line_object(text: bytes | memoryview, where: str) -> tuple[dict | None, str | None]:
-    """orjson reading of one whole line: (object, None) or (None, why the line is bad)."""
-    try:
-        obj = orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        return None, f"{where}: not JSON ({e})"
-    if not isinstance(obj, dict):
-        return None, f"{where}: line is not a JSON object"
-    missing = [k for k in ("dataset", "sample_id", "finish_reason") if k not in obj]
-    if missing:
-        return None, f"{where}: missing field(s) {', '.join(missing)}"
-    return obj, None
-
-
 def _read_fast(path: Path, data: bytes, source_fields: bool, first_line: int = 0) -> IdTable:
     """JSONL -> IdTable: id lists parsed as text by numpy, the rest of each line by orjson (see above); lines
     numbered from `first_line` + 1 (`data` may be a run of whole lines from inside a journal)."""
@@ -354,7 +333,7 @@ def _read_fast(path: Path, data: bytes, source_fields: bool, first_line: int = 0
                 obj = None
         if obj is None:
             holes = []
-            obj, why = _line_object(mv[start:end], f"{path}:{lineno}")
+            obj, why = record_object(mv[start:end], f"{path}:{lineno}")
             if obj is None:
                 bad.append((lineno, why))
                 continue
@@ -370,7 +349,7 @@ def _read_fast(path: Path, data: bytes, source_fields: bool, first_line: int = 0
     drop: set[int] = set()
     for r in sorted(redo):  # a list text numpy would not vouch for: orjson reads the whole line
         s, e = spans[r]
-        obj, why = _line_object(mv[s:e], f"{path}:{linenos[r]}")
+        obj, why = record_object(mv[s:e], f"{path}:{linenos[r]}")
         if obj is None:
             bad.append((linenos[r], why))
             drop.add(r)

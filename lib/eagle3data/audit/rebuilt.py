@@ -24,7 +24,7 @@ import orjson
 
 from eagle3data.audit.idtable import AuditInputError, _Cuts, _parse_cuts
 from eagle3data.core.reader import RunFileError, SampleKey
-from eagle3data.core.stream import _checked_rebuilt
+from eagle3data.core.stream import checked_rebuilt
 
 _CUT = ("prompt_ids", "output_ids", "input_ids", "loss_mask")
 _PATTERNS = tuple(b'"' + k.encode() + b'":[' for k in _CUT)
@@ -86,7 +86,7 @@ class RebuiltIds(Mapping):
                                 if not line.endswith(b"\n") else "")
                         raise AuditInputError(f"{path}:{lineno}: not JSON ({e}){hint}") from None
                     try:
-                        _checked_rebuilt(r, path, lineno, RunFileError)
+                        checked_rebuilt(r, path, lineno, RunFileError)
                     except RunFileError as e:
                         raise AuditInputError(str(e)) from None
                     out[SampleKey.of(r)] = _Where(lineno, start, off, None, None, None)

@@ -71,6 +71,22 @@ class JournalScan:
 KEY_FIELDS = ("dataset", "sample_id", "finish_reason")
 
 
+def record_object(line: bytes | memoryview, where: str) -> tuple[dict[str, Any] | None, str | None]:
+    """One journal line read whole: (the record, None), or (None, `where: why` it is no record: not JSON, not
+    an object, a key field missing). The one rule of what a record line is: `JournalLines` and 03's readers
+    (`audit/idtable`) both ask it."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        return None, f"{where}: not JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, f"{where}: line is not a JSON object"
+    missing = [k for k in KEY_FIELDS if k not in obj]
+    if missing:
+        return None, f"{where}: missing field(s) {', '.join(missing)}"
+    return obj, None
+
+
 class JournalLines:
     """The one rule for which lines of a journal are records, applied in one forward pass.
 
@@ -98,14 +114,9 @@ class JournalLines:
                     return
                 if not line.strip():
                     continue
-                try:
-                    obj = orjson.loads(line)
-                except orjson.JSONDecodeError as e:
-                    self.bad_lines.append(f"{self.path}:{lineno}: not JSON ({e})")
-                    continue
-                missing = [k for k in KEY_FIELDS if k not in obj] if isinstance(obj, dict) else list(KEY_FIELDS)
-                if missing:
-                    self.bad_lines.append(f"{self.path}:{lineno}: missing field(s) {', '.join(missing)}")
+                obj, why = record_object(line, f"{self.path}:{lineno}")
+                if obj is None:
+                    self.bad_lines.append(why)
                     continue
                 yield lineno, start, line, obj
 

@@ -154,7 +154,7 @@ class RebuiltIndex(Mapping):
         with open(path, "rb") as f:
             f.seek(start)
             data = f.read(end - start)
-        return _checked_rebuilt(orjson.loads(data), path, lineno, self._error)
+        return checked_rebuilt(orjson.loads(data), path, lineno, self._error)
 
     def __contains__(self, key: object) -> bool:
         return key in self._spans
@@ -166,7 +166,10 @@ class RebuiltIndex(Mapping):
         return len(self._spans)
 
 
-def _checked_rebuilt(r: Any, path: Path, lineno: int, error: type[RunFileError]) -> dict[str, Any]:
+def checked_rebuilt(r: Any, path: Path, lineno: int, error: type[RunFileError]) -> dict[str, Any]:
+    """A rebuilt line (02's `reconstruct/<dataset>.jsonl`) as the stages take it: its key fields, `input_ids` and
+    `loss_mask` as lists of one length; else `error` naming the file, line and field. The one rule for 03's and
+    04's readers of 02's lines."""
     missing = [f for f in ("dataset", "sample_id", "input_ids", "loss_mask") if f not in r]
     if missing:
         raise error(f"{path}:{lineno}: missing field(s) {', '.join(missing)}", path=path, line=lineno,
@@ -201,6 +204,6 @@ def index_rebuilt(run_dir: str | Path, datasets: Iterable[str] | None = None,
                 torn = not line.endswith(b"\n")
                 hint = "; the line is cut off (no newline at the end): was the writer stopped?" if torn else ""
                 raise error(f"{path}:{lineno}: not JSON ({e}){hint}", path=path, line=lineno) from None
-            _checked_rebuilt(r, path, lineno, error)
+            checked_rebuilt(r, path, lineno, error)
             spans[SampleKey.of(r)] = (path, lineno, off, off + len(line))
     return RebuiltIndex(spans, error)
