@@ -118,3 +118,43 @@ def test_resuming_01_holds_no_ids_or_texts_of_the_journal(tmp_path):
     # without `keep` the same journal reads in full, as the stages that want every field read it
     full = scan_journal(path)
     assert full.records == rows
+
+
+def test_03s_rebuilt_index_reads_as_read_rebuilt_and_holds_no_key_object_per_line(tmp_path):
+    """03's `RebuiltIds` (audit/rebuilt.py) keeps per line its key's text, one row of positions and shared proof
+    levels; what it gives is `read_rebuilt`'s: the same keys (as SampleKeys, their parts kept: a turn, a `/` in
+    a sample_id), the later of two lines of a key, the prompt and output ids of lines read by their cut lists and
+    of lines read whole (spaces in a list), the whole line with its mask."""
+    import json
+
+    from eagle3data.audit.rebuilt import RebuiltIds
+
+    rec = tmp_path / "reconstruct"
+    rec.mkdir()
+
+    def line(sid, p, o, turn=None, proof="text", spaced=False):
+        r = {"dataset": "d", "sample_id": sid, "prompt_ids": p, "output_ids": o, "input_ids": p + o,
+             "loss_mask": [0] * len(p) + [1] * len(o), "proof_level": proof}
+        if turn is not None:
+            r["turn"] = turn
+        return json.dumps(r).encode() if spaced else orjson.dumps(r)
+
+    rows = [line(1, [1, 2], [3]), line("a/b", [4], [5, 6], proof="engine"), line("c", [7], [8], turn=0),
+            line("c", [7, 8, 9], [10], turn=1, spaced=True), line(2, [11], [12, 13], spaced=True),
+            line(1, [1, 2], [30, 31])]  # d/1 again: the later line is the key's
+    (rec / "d.jsonl").write_bytes(b"\n".join(rows) + b"\n")
+    ref = read_rebuilt(tmp_path, ["d"])
+    idx = RebuiltIds(tmp_path)
+    k1 = next(k for k in ref if k == "d/1")
+    assert k1 in idx and SampleKey.of({"dataset": "d", "sample_id": 9}) not in idx  # the first ask indexes it
+    keys = list(idx)
+    assert sorted(keys) == sorted(ref) and len(idx) == len(ref) == 5
+    assert {(k.sample_id, k.turn) for k in keys} == {("1", None), ("a/b", None), ("c", 0), ("c", 1), ("2", None)}
+    assert all(type(k).__name__ == "SampleKey" for k in keys)
+    got = idx.many(sorted(ref))
+    for k, g in zip(sorted(ref), got):
+        assert list(g["prompt_ids"]) == ref[k]["prompt_ids"] and list(g["output_ids"]) == ref[k]["output_ids"], k
+        assert g["proof_level"] == ref[k]["proof_level"]
+        assert idx.line(k)["loss_mask"] == ref[k]["loss_mask"]
+    assert list(idx[k1]["output_ids"]) == [30, 31]
+    assert idx._index["d"].proof[0] is idx._index["d"].proof[2]  # one shared value per proof level

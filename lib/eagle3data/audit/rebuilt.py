@@ -15,6 +15,7 @@ parsed, loss mask included (the inspector's one record).
 from __future__ import annotations
 
 import secrets
+from array import array
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,40 @@ class _Where:
         self.prompt, self.output, self.proof_level = prompt, output, proof_level
 
 
+class _Lines:
+    """One dataset's index, compact: its keys' text to a row, each row's line number, byte span and list ranges
+    (-1: read whole) in one int64 array, its sample_id, turn (-1: none) and proof level (shared values). At the
+    seeds' 88,000 records this is ~0.3 KB a record, where a `SampleKey` and a `_Where` of tuples each were ~1 KB
+    (tracemalloc); a record's `_Where` is made when it is asked for."""
+
+    __slots__ = ("rows", "pos", "sid", "turn", "proof")
+
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {}
+        self.pos = array("q")  # lineno, start, end, prompt start, prompt end, output start, output end
+        self.sid: list[str] = []
+        self.turn = array("q")
+        self.proof: list[Any] = []
+
+    def add(self, key: SampleKey, lineno: int, start: int, end: int, prompt: tuple[int, int] | None,
+            output: tuple[int, int] | None, proof: Any, shared: dict[Any, Any]) -> None:
+        self.rows[str(key)] = len(self.sid)  # a later line of the key replaces an earlier one, as before
+        self.pos.extend((lineno, start, end, *(prompt or (-1, -1)), *(output or (-1, -1))))
+        self.sid.append(key.sample_id)
+        self.turn.append(-1 if key.turn is None else key.turn)
+        self.proof.append(shared.setdefault(proof, proof) if isinstance(proof, str) else proof)
+
+    def where(self, key: str) -> _Where:
+        i = self.rows[key]
+        ln, a, b, p0, p1, o0, o1 = self.pos[7 * i : 7 * i + 7]
+        return _Where(ln, a, b, None if p0 < 0 else (p0, p1), None if o0 < 0 else (o0, o1), self.proof[i])
+
+    def keys(self, dataset: str) -> Iterator[SampleKey]:
+        for i in self.rows.values():
+            t = self.turn[i]
+            yield SampleKey._make(dataset, self.sid[i], None if t < 0 else t)
+
+
 class RebuiltIds(Mapping):
     """02's rebuilt ids by key over a run's `reconstruct/` files: `rebuilt.get(key)` is
     `{"prompt_ids", "output_ids", "proof_level"}` (ids as int64 arrays), read when asked for."""
@@ -57,18 +92,18 @@ class RebuiltIds(Mapping):
     def __init__(self, run_dir: str | Path, *, whole: bool = False) -> None:
         self.folder = Path(run_dir) / "reconstruct"
         self.whole = whole  # `get` gives the whole line parsed (`line`)
-        self._index: dict[str, dict[SampleKey, _Where]] = {}
+        self._index: dict[str, _Lines] = {}
         self._files: dict[str, Any] = {}
         nonce = secrets.token_hex(8)
         self._hole, self._hole_json = "\x00" + nonce, b'"\\u0000' + nonce.encode() + b'"'
 
-    def _dataset(self, dataset: str) -> dict[SampleKey, _Where]:
+    def _dataset(self, dataset: str) -> _Lines:
         if dataset not in self._index:
             self._index[dataset] = self._scan(self.folder / f"{dataset}.jsonl")
         return self._index[dataset]
 
-    def _scan(self, path: Path) -> dict[SampleKey, _Where]:
-        out: dict[SampleKey, _Where] = {}
+    def _scan(self, path: Path) -> _Lines:
+        out, shared = _Lines(), {}
         if not path.exists():
             return out
         off = 0
@@ -89,11 +124,11 @@ class RebuiltIds(Mapping):
                         checked_rebuilt(r, path, lineno, RunFileError)
                     except RunFileError as e:
                         raise AuditInputError(str(e)) from None
-                    out[SampleKey.of(r)] = _Where(lineno, start, off, None, None, None)
+                    out.add(SampleKey.of(r), lineno, start, off, None, None, None, shared)
                     continue
                 obj, spans = fast
-                out[SampleKey.of(obj)] = _Where(lineno, start, off, _shift(spans.get("prompt_ids"), start),
-                                                _shift(spans.get("output_ids"), start), obj.get("proof_level"))
+                out.add(SampleKey.of(obj), lineno, start, off, _shift(spans.get("prompt_ids"), start),
+                        _shift(spans.get("output_ids"), start), obj.get("proof_level"), shared)
         return out
 
     def _cut(self, line: bytes) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | None:
@@ -135,7 +170,7 @@ class RebuiltIds(Mapping):
 
     def _where(self, key: Any) -> _Where:
         key = SampleKey.of(key)
-        return self._dataset(key.dataset)[key]
+        return self._dataset(key.dataset).where(key)
 
     def _file(self, key: Any) -> Any:
         ds = SampleKey.of(key).dataset
@@ -185,11 +220,11 @@ class RebuiltIds(Mapping):
         return True
 
     def __iter__(self) -> Iterator[SampleKey]:
-        for d in self._index.values():
-            yield from d
+        for ds, d in self._index.items():
+            yield from d.keys(ds)
 
     def __len__(self) -> int:
-        return sum(len(d) for d in self._index.values())
+        return sum(len(d.rows) for d in self._index.values())
 
 
 def _shift(span: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
