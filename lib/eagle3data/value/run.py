@@ -210,7 +210,8 @@ def _train_config(params: RunParams) -> TrainConfig:
     tp = params.value.train
     return TrainConfig(epochs=tp.epochs, total_seq_len=tp.total_seq_len, lr=tp.lr, optimizer=tp.optimizer,
                        ttt_steps=tp.ttt_steps, loss_fn=tp.loss_fn, num_layers=tp.num_layers, seed=tp.seed,
-                       max_steps=tp.max_steps, checkpoint_every=tp.checkpoint_every, threads=tp.threads)
+                       max_steps=tp.max_steps, checkpoint_every=tp.checkpoint_every, threads=tp.threads,
+                       muon_ns_dtype=tp.muon_ns_dtype)
 
 
 def _fingerprint(params: RunParams, plan: ValuePlan, variant: str, vd: VariantData) -> dict[str, Any]:

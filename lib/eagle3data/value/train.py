@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 from eagle3data.core.errors import UserInputError
 from eagle3data.core.peer_logs import PEER_LOG, peers_to_log
 from eagle3data.hidden.store.format import INFO_FILE
+from eagle3data.value.muon_cpu import muon_ns, resolve_ns_dtype
 
 CHECKPOINT = "checkpoint.pt"
 TRAIN_LOG = "train_log.jsonl"
@@ -76,6 +77,7 @@ class TrainConfig:
     max_steps: int | None = None
     checkpoint_every: int = 50
     threads: int | None = None
+    muon_ns_dtype: str = "auto"  # Muon's orthogonalization: auto, bfloat16 (torch's), float32 (`muon_cpu`)
 
 
 @dataclass
@@ -182,7 +184,7 @@ def _optimizers(draft: Any, cfg: TrainConfig, total_steps: int) -> tuple[list[An
 
 
 TRAJECTORY = ("epochs", "total_seq_len", "lr", "optimizer", "ttt_steps", "ttt_step_loss_decay", "loss_fn",
-              "num_layers", "seed")  # max_steps, checkpoint_every, threads: a run may stop early and go on
+              "num_layers", "seed", "muon_ns_dtype")  # max_steps, checkpoint_every, threads: a run may stop early and go on
 
 
 def training_identity(handoff: Path, rows: Sequence[int], cfg: TrainConfig) -> str:
@@ -235,6 +237,7 @@ def _train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_d
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = replace(cfg, muon_ns_dtype=resolve_ns_dtype(cfg.muon_ns_dtype, device))  # as resolved: in the identity
     draft = build_draft(model_dir, handoff, layer_ids, cfg).to(device)
     hidden = int(draft.config.transformer_layer_config.hidden_size)
     loader, sampler = _loader(handoff, rows, hidden, cfg, dataset)
@@ -271,8 +274,10 @@ def _train_draft(handoff: Path, model_dir: Path, layer_ids: Sequence[int], out_d
     draft.train()
     t0, last_say = time.monotonic() - seconds, 0.0
     done_at_start = step
+    if cfg.optimizer == "muon" and cfg.muon_ns_dtype == "float32":
+        say("Muon's orthogonalization in float32: this CPU has no native bf16 matmul (value.train.muon_ns_dtype)")
     try:
-        with open(log_path, "a", encoding="utf-8") as log:
+        with open(log_path, "a", encoding="utf-8") as log, muon_ns(cfg.muon_ns_dtype):
             for epoch in range(step // per_epoch, cfg.epochs):
                 sampler.set_epoch(epoch)
                 skip = step - epoch * per_epoch

@@ -32,6 +32,10 @@ class ValueTrainParams(Strict):
     max_train_samples: int | None = Field(None, gt=0, description="Train on the first N rows of the hand-off only.")
     checkpoint_every: int = Field(50, gt=0, description="Steps between checkpoints (also written on Ctrl-C).")
     threads: int | None = Field(None, gt=0, description="torch threads (None: torch's default).")
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Muon's orthogonalization: bfloat16 is torch's own; auto keeps it on a GPU or a CPU with "
+        "native bf16 matmul (AVX512-BF16, AMX) and runs the same iteration in float32 on one without (AVX2: ~30x "
+        "faster there; value/muon_cpu.py).")
 
     @field_validator("seeds")
     @classmethod
